@@ -1,0 +1,1 @@
+"""TensorFlow 2 / Keras 3 Mask R-CNN (ResNet-FPN) for instance segmentation."""

@@ -1,0 +1,1 @@
+"""tf.data input pipeline: TFRecord parsing, augmentation, GT mask crops, anchor labels."""

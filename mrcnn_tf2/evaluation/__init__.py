@@ -1,0 +1,1 @@
+"""COCO metrics, mask pasting and result JSON."""

@@ -1,0 +1,1 @@
+"""The Keras Mask R-CNN model and its parts."""

@@ -1,0 +1,1 @@
+"""Pure-TF tensor ops: the reference implementations of the detection-specific math."""

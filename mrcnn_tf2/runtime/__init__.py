@@ -1,0 +1,1 @@
+"""Train / eval / infer / export loops and their support (schedule, checkpoints, logging)."""
