@@ -1,0 +1,41 @@
+"""Mask R-CNN for TensorFlow 2: `python main.py train|eval|infer|export [flags]` (see --help)."""
+
+import importlib
+import importlib.util
+import json
+import sys
+
+from mrcnn_tf2.arguments import check_inputs, parse
+from mrcnn_tf2.config import ConfigError
+
+# Each mode is the `run(config)` of its runtime module.
+RUNNERS = {
+    "train": "mrcnn_tf2.runtime.train",
+    "eval": "mrcnn_tf2.runtime.evaluate",
+    "infer": "mrcnn_tf2.runtime.infer",
+    "export": "mrcnn_tf2.runtime.export",
+}
+
+# Exit status of a mode whose runtime module is not part of the package yet.
+EXIT_NOT_AVAILABLE = 3
+
+
+def main(argv=None) -> int:
+    args, config = parse(argv)
+    if args.print_config:
+        print(json.dumps({"mode": args.mode, **config.to_dict()}, indent=2))
+        return 0
+    try:
+        check_inputs(args.mode, config)
+    except ConfigError as err:
+        print(f"main.py: error: {err}", file=sys.stderr)
+        return 2
+    module = RUNNERS[args.mode]
+    if importlib.util.find_spec(module) is None:
+        print(f"main.py: mode '{args.mode}' is not available yet ({module} is not implemented)", file=sys.stderr)
+        return EXIT_NOT_AVAILABLE
+    return importlib.import_module(module).run(config) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

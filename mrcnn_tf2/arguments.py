@@ -1,0 +1,182 @@
+"""The command line: every flag of `main.py`, with NVIDIA TF2 Mask R-CNN's names and defaults.
+
+Each flag sets the config field of the same name (`--finetune_bn` sets `model.freeze_bn` to False), and
+its default is read from `mrcnn_tf2.config`, so a default lives in one place. `--config_override KEY=VALUE`
+reaches any config field by its dotted path and is applied after the flags.
+
+This module must not import TensorFlow: `--help` and `--print_config` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+
+from mrcnn_tf2.config import BACKBONES, CUSTOM_OPS_MODES, Config, ConfigError
+
+MODES = ("train", "eval", "infer", "export")
+
+_DEFAULTS = Config()
+
+# flag -> (dotted config path, argparse keyword arguments). The flag's name is the path's leaf.
+_FLAGS = {
+    "data_dir": ("data.data_dir", dict(help="directory holding train*.tfrecord and val*.tfrecord")),
+    "model_dir": ("runtime.model_dir", dict(help="checkpoints, logs and results are written here")),
+    "backbone_checkpoint": (
+        "train.backbone_checkpoint",
+        dict(help="pretrained backbone checkpoint made by weights/ (None: train from scratch)"),
+    ),
+    "eval_file": ("eval.eval_file", dict(help="COCO annotation JSON of the validation images")),
+    "epochs": ("train.epochs", dict(type=int, help="training epochs")),
+    "steps_per_epoch": (
+        "train.steps_per_epoch",
+        dict(type=int, help="steps per epoch (None: records in the training files / global batch)"),
+    ),
+    "eval_samples": ("eval.eval_samples", dict(type=int, help="validation images to evaluate (None: all)")),
+    "train_batch_size": ("train.train_batch_size", dict(type=int, help="images per device and step")),
+    "eval_batch_size": ("eval.eval_batch_size", dict(type=int, help="images per device in evaluation")),
+    "seed": ("train.seed", dict(type=int, help="random seed (None: non-deterministic)")),
+    "l2_weight_decay": ("train.l2_weight_decay", dict(type=float, help="L2 penalty on kernels")),
+    "init_learning_rate": ("train.init_learning_rate", dict(type=float, help="learning rate at step 0 of warm-up")),
+    "learning_rate_values": (
+        "train.learning_rate_values",
+        dict(type=float, nargs="+", help="learning rate from each boundary on (scaled by the global batch)"),
+    ),
+    "learning_rate_boundaries": (
+        "train.learning_rate_boundaries",
+        dict(type=float, nargs="+", help="epochs at which each value starts; the first ends warm-up"),
+    ),
+    "momentum": ("train.momentum", dict(type=float, help="SGD momentum")),
+    "use_synthetic_data": (
+        "data.use_synthetic_data",
+        dict(action="store_true", help="repeat one real batch (measures the model without the input pipeline)"),
+    ),
+    "xla": ("runtime.xla", dict(action="store_true", help="jit-compile the dense parts of the step")),
+    "amp": (
+        "runtime.amp",
+        dict(action="store_true", help="mixed precision: float16 on GPU, bfloat16 on CPU"),
+    ),
+    "log_file": ("runtime.log_file", dict(help="JSON-lines log (None: <model_dir>/log.jsonl)")),
+    "log_every": ("runtime.log_every", dict(type=int, help="steps between log lines")),
+    "log_warmup_steps": (
+        "runtime.log_warmup_steps",
+        dict(type=int, help="steps left out of throughput figures"),
+    ),
+    "log_graph": ("runtime.log_graph", dict(action="store_true", help="log the traced step's graph")),
+    "log_tensorboard": ("runtime.log_tensorboard", dict(help="TensorBoard summary directory (None: none)")),
+    "verbose": ("runtime.verbose", dict(action="store_true", help="more detailed console output")),
+    "eagerly": ("runtime.eagerly", dict(action="store_true", help="run the step eagerly (debugging)")),
+    "backbone": ("model.backbone", dict(choices=BACKBONES, help="ResNet depth of the backbone")),
+    "image_size": (
+        "data.image_size",
+        dict(type=int, nargs=2, metavar=("H", "W"), help="padded input size; multiples of 2**max_level"),
+    ),
+    "num_classes": ("model.num_classes", dict(type=int, help="object classes plus background")),
+    "accumulate_steps": (
+        "train.accumulate_steps",
+        dict(type=int, help="batches whose gradients make one update"),
+    ),
+    "benchmark": (
+        "runtime.benchmark",
+        dict(action="store_true", help="measure img/s over benchmark_steps after the warm-up steps, then stop"),
+    ),
+    "benchmark_steps": ("runtime.benchmark_steps", dict(type=int, help="steps measured in benchmark mode")),
+    "min_bbox_map": ("eval.min_bbox_map", dict(type=float, help="stop training once bbox AP reaches this")),
+    "min_mask_map": ("eval.min_mask_map", dict(type=float, help="stop training once mask AP reaches this")),
+    "custom_ops": (
+        "runtime.custom_ops",
+        dict(choices=CUSTOM_OPS_MODES, help="fused C++ ops: auto (when built), on (required), off (pure TF)"),
+    ),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: 'main.py: error: <flag>: <problem>'."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _get(config: Config, path: str):
+    obj = config
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(config: Config, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    obj = config
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, leaf, tuple(value) if isinstance(value, list) else value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="main.py",
+        description="Mask R-CNN (ResNet-FPN) for TensorFlow 2: train, evaluate, infer, export.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("mode", choices=MODES, help="what to run")
+    for flag, (path, kwargs) in _FLAGS.items():
+        names = ["-v", "--verbose"] if flag == "verbose" else [f"--{flag}"]
+        default = _get(_DEFAULTS, path)
+        parser.add_argument(*names, default=list(default) if isinstance(default, tuple) else default, **kwargs)
+    parser.add_argument(
+        "--finetune_bn",
+        action="store_true",
+        help="train batch norm statistics and affine parameters (default: frozen, model.freeze_bn)",
+    )
+    parser.add_argument(
+        "--config_override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any config field by its dotted path, e.g. model.rpn.rpn_min_size=2 (repeatable; after flags)",
+    )
+    parser.add_argument(
+        "--print_config", action="store_true", help="print the resolved configuration as JSON and exit"
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The validated Config: defaults, then flags, then --config_override. Raises ConfigError."""
+    config = Config()
+    for flag, (path, _) in _FLAGS.items():
+        _set(config, path, getattr(args, flag))
+    if args.finetune_bn:
+        config.model.freeze_bn = False
+    for item in args.config_override:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--config_override", f"'{item}' is not KEY=VALUE")
+        config.override(key.strip(), value.strip())
+    config.validate()
+    return config
+
+
+def check_inputs(mode: str, config: Config) -> None:
+    """Raises ConfigError when the TFRecords `mode` reads are missing (checked before any work starts)."""
+    data = config.data
+    if mode == "train":
+        explicit, pattern = data.training_file_pattern, data.resolved_training_pattern()
+    elif mode in ("eval", "infer"):
+        explicit, pattern = data.validation_file_pattern, data.resolved_validation_pattern()
+    else:
+        return
+    if not glob.glob(pattern):
+        raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
+
+
+def parse(argv=None):
+    """Parses `argv` (default: sys.argv[1:]) into (args, Config); exits 2 with one line on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return args, config
+

@@ -1,0 +1,374 @@
+"""The package's configuration: typed, nested dataclasses with NVIDIA TF2 Mask R-CNN's defaults.
+
+One `Config` holds every setting of a run. Leaf names are those of NVIDIA's `config.py` and of the
+command-line flags, so a key reads the same in `--help`, `--print_config`, `--config_override` and the
+seeds' documentation. The sub-configs mirror the package: `data` for the input pipeline, `model` (with
+`anchors`, `rpn`, `roi`, `loss`, `test`) for the network, `train`, `eval` and `runtime` for the loops.
+
+Only the factories and the runtime read this module; layers and ops take plain keyword arguments.
+This module must not import TensorFlow: `--help` and `--print_config` stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. `key` names the flag or config key at fault, `message` what is wrong."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+@dataclass
+class DataConfig:
+    """Input pipeline settings."""
+
+    # Where the TFRecords live; the file patterns below default to files in it.
+    data_dir: str = "/data"
+    # Training / validation TFRecord globs; None means <data_dir>/train*.tfrecord, <data_dir>/val*.tfrecord.
+    training_file_pattern: Optional[str] = None
+    validation_file_pattern: Optional[str] = None
+    # (height, width) of the padded network input; aspect-preserving resize fits the image inside it.
+    image_size: tuple[int, int] = (832, 1344)
+    # Random horizontal flip during training.
+    augment_input_data: bool = True
+    # Side of the per-instance GT mask crop the pipeline hands to the mask-target op.
+    gt_mask_size: int = 112
+    # Ground truth is padded (with -1) to this many instances per image: TAO's default.
+    max_num_instances: int = 200
+    # Crowd regions carry no instance boundaries: they are dropped from training targets.
+    skip_crowd_during_training: bool = True
+    # Keep the category labels (False trains class-agnostic, every object class 1).
+    use_category: bool = True
+    # Repeat one real batch forever: measures the model without the input pipeline.
+    use_synthetic_data: bool = False
+
+    def resolved_training_pattern(self) -> str:
+        return self.training_file_pattern or f"{self.data_dir.rstrip('/')}/train*.tfrecord"
+
+    def resolved_validation_pattern(self) -> str:
+        return self.validation_file_pattern or f"{self.data_dir.rstrip('/')}/val*.tfrecord"
+
+
+@dataclass
+class AnchorConfig:
+    """Anchor grid over the FPN levels."""
+
+    # FPN levels P2..P6 (strides 4..64).
+    min_level: int = 2
+    max_level: int = 6
+    # Anchor sizes per level: anchor_scale * stride * 2**(i / num_scales), i < num_scales.
+    num_scales: int = 1
+    # (x, y) multipliers of the base size: square, wide and tall anchors.
+    aspect_ratios: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4))
+    # Base anchor side in units of the level's stride: 32 px on P2 up to 512 px on P6.
+    anchor_scale: float = 8.0
+
+
+@dataclass
+class RPNConfig:
+    """Region proposal network: anchor labelling and proposal generation."""
+
+    # Anchors with IoU >= this to some GT are positive, < negative_overlap negative (Faster R-CNN).
+    rpn_positive_overlap: float = 0.7
+    rpn_negative_overlap: float = 0.3
+    # Anchors sampled per image for the RPN loss, at most half of them positive.
+    rpn_batch_size_per_im: int = 256
+    rpn_fg_fraction: float = 0.5
+    # Proposals smaller than this (pixels) are dropped; 0 keeps all.
+    rpn_min_size: float = 0.0
+    # Training: top-k per level before NMS, total kept after NMS, NMS IoU.
+    train_rpn_pre_nms_topn: int = 2000
+    train_rpn_post_nms_topn: int = 1000
+    train_rpn_nms_threshold: float = 0.7
+    # Inference counterparts (fewer proposals are enough at test time).
+    test_rpn_pre_nms_topn: int = 1000
+    test_rpn_post_nms_topn: int = 1000
+    test_rpn_nms_thresh: float = 0.7
+
+
+@dataclass
+class RoIConfig:
+    """Sampling of RoIs for the box and mask heads during training."""
+
+    # RoIs per image fed to the heads, at most a quarter of them foreground.
+    batch_size_per_im: int = 512
+    fg_fraction: float = 0.25
+    # Foreground: IoU >= fg_thresh; background: bg_thresh_lo <= IoU < bg_thresh_hi.
+    fg_thresh: float = 0.5
+    bg_thresh_hi: float = 0.5
+    bg_thresh_lo: float = 0.0
+
+
+@dataclass
+class LossConfig:
+    """Weights of the loss terms (the classification terms have weight 1)."""
+
+    rpn_box_loss_weight: float = 1.0
+    fast_rcnn_box_loss_weight: float = 1.0
+    mrcnn_weight_loss_mask: float = 1.0
+
+
+@dataclass
+class TestConfig:
+    """Detection post-processing at inference."""
+
+    # Detections kept per image after per-class NMS at test_nms IoU.
+    test_detections_per_image: int = 100
+    test_nms: float = 0.5
+
+
+@dataclass
+class ModelConfig:
+    """The network and its non-learned stages."""
+
+    backbone: str = "resnet50"
+    # COCO's 90 category ids plus background, as NVIDIA trains it.
+    num_classes: int = 91
+    # Batch norm uses its moving statistics and fixed affine in training (small per-device batches).
+    freeze_bn: bool = True
+    # Block groups whose weights stay fixed: 0 = stem, 1 = first residual group (conv2_x).
+    freeze_blocks: tuple[int, ...] = (0, 1)
+    # Build the mask branch (False gives Faster R-CNN).
+    include_mask: bool = True
+    # Width of the box head's two fully connected layers.
+    fast_rcnn_mlp_head_dim: int = 1024
+    # Side of the predicted masks.
+    mrcnn_resolution: int = 28
+    # Scales of the (dy, dx, dh, dw) targets of the box head.
+    bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0)
+    anchors: AnchorConfig = field(default_factory=AnchorConfig)
+    rpn: RPNConfig = field(default_factory=RPNConfig)
+    roi: RoIConfig = field(default_factory=RoIConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    test: TestConfig = field(default_factory=TestConfig)
+
+    @property
+    def num_anchors(self) -> int:
+        """Anchors per feature-map cell."""
+        return self.anchors.num_scales * len(self.anchors.aspect_ratios)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: schedule, batch, regularisation, initialisation."""
+
+    epochs: int = 12
+    # None: counted from the records in the training files.
+    steps_per_epoch: Optional[int] = None
+    # Images per device and step.
+    train_batch_size: int = 4
+    # Batches whose gradients are summed before one optimizer update.
+    accumulate_steps: int = 1
+    # Linear warm-up from init_learning_rate to learning_rate_values[0] until learning_rate_boundaries[0]
+    # epochs, then learning_rate_values[i] from learning_rate_boundaries[i] epochs on.
+    init_learning_rate: float = 0.0
+    learning_rate_values: tuple[float, ...] = (1e-2, 1e-3, 1e-4)
+    learning_rate_boundaries: tuple[float, ...] = (0.3, 8.0, 10.0)
+    momentum: float = 0.9
+    # L2 penalty on convolution and dense kernels (not batch norm, not biases).
+    l2_weight_decay: float = 1e-4
+    # ImageNet-pretrained backbone checkpoint (see weights/); None trains from scratch.
+    backbone_checkpoint: Optional[str] = None
+    # Seeds Python, NumPy and TF; None leaves runs non-deterministic.
+    seed: Optional[int] = None
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation and early stopping."""
+
+    # COCO annotation JSON of the validation images.
+    eval_file: Optional[str] = None
+    eval_batch_size: int = 8
+    # Number of validation images to evaluate; None evaluates all.
+    eval_samples: Optional[int] = None
+    # Training stops once both COCO APs are reached (None: never stop early).
+    min_bbox_map: Optional[float] = None
+    min_mask_map: Optional[float] = None
+
+
+@dataclass
+class RuntimeConfig:
+    """Where outputs go, how the step is compiled, what is logged and measured."""
+
+    model_dir: str = "/results"
+    # Mixed precision: float16 on GPU, bfloat16 on CPU.
+    amp: bool = False
+    # Jit-compile the dense parts of the step (custom ops stay outside).
+    xla: bool = False
+    # Run the step eagerly (debugging).
+    eagerly: bool = False
+    # Fused C++ ops: auto uses them when built, on requires them, off uses the pure-TF twins.
+    custom_ops: str = "auto"
+    # JSON-lines log; None writes <model_dir>/log.jsonl.
+    log_file: Optional[str] = None
+    log_every: int = 100
+    # Steps excluded from throughput figures (tracing, allocator warm-up).
+    log_warmup_steps: int = 100
+    log_graph: bool = False
+    # Directory for TensorBoard summaries; None writes none.
+    log_tensorboard: Optional[str] = None
+    verbose: bool = False
+    # Measure throughput for benchmark_steps steps after log_warmup_steps, then stop.
+    benchmark: bool = False
+    benchmark_steps: int = 100
+
+
+@dataclass
+class Config:
+    """Every setting of a run, resolved from defaults, flags and overrides (in that order)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def to_dict(self) -> dict:
+        """Nested plain dict (tuples become lists), ready for JSON."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def override(self, key: str, value: str) -> None:
+        """Sets the field at dotted `key` (e.g. 'model.rpn.rpn_min_size') from its text `value`.
+
+        The text is parsed for the field's declared type: numbers, booleans (true/false/1/0), `none`
+        for optional fields, and lists as JSON ('[832, 1344]') or comma-separated ('832,1344').
+        Raises ConfigError naming the key when it does not exist or the value does not fit.
+        """
+        owner, name = self, None
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(owner) or part not in {f.name for f in dataclasses.fields(owner)}:
+                raise ConfigError("--config_override", f"unknown config key '{key}'" + _suggest(self, part))
+            if i < len(parts) - 1:
+                owner = getattr(owner, part)
+            name = part
+        hint = typing.get_type_hints(type(owner))[name]
+        if dataclasses.is_dataclass(getattr(owner, name)):
+            raise ConfigError("--config_override", f"'{key}' is a section; name one of its fields")
+        try:
+            setattr(owner, name, parse_value(value, hint))
+        except ValueError as err:
+            raise ConfigError("--config_override", f"{key}={value}: {err}") from None
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first inconsistent setting."""
+        stride = 2 ** self.model.anchors.max_level
+        height, width = self.data.image_size
+        if height % stride or width % stride:
+            raise ConfigError(
+                "--image_size",
+                f"{height} {width} is not a multiple of 2**max_level = {stride} in both sides",
+            )
+        values, boundaries = self.train.learning_rate_values, self.train.learning_rate_boundaries
+        if len(values) != len(boundaries):
+            raise ConfigError(
+                "--learning_rate_values",
+                f"{len(values)} values but {len(boundaries)} --learning_rate_boundaries: they pair up",
+            )
+        if any(b <= a for a, b in zip(boundaries, boundaries[1:])) or (boundaries and boundaries[0] < 0):
+            raise ConfigError("--learning_rate_boundaries", f"{list(boundaries)} must be increasing and >= 0")
+        if self.model.backbone not in BACKBONES:
+            raise ConfigError("--backbone", f"'{self.model.backbone}' is not one of {', '.join(BACKBONES)}")
+        if self.runtime.custom_ops not in CUSTOM_OPS_MODES:
+            raise ConfigError("--custom_ops", f"'{self.runtime.custom_ops}' is not one of {CUSTOM_OPS_MODES}")
+        if self.model.num_classes < 2:
+            raise ConfigError("--num_classes", f"{self.model.num_classes}: need background and >= 1 class")
+        anchors = self.model.anchors
+        if not 2 <= anchors.min_level <= anchors.max_level:
+            raise ConfigError("model.anchors.min_level", f"levels {anchors.min_level}..{anchors.max_level} invalid")
+        for key, count in (
+            ("--train_batch_size", self.train.train_batch_size),
+            ("--eval_batch_size", self.eval.eval_batch_size),
+            ("--accumulate_steps", self.train.accumulate_steps),
+            ("--epochs", self.train.epochs),
+            ("--log_every", self.runtime.log_every),
+            ("--benchmark_steps", self.runtime.benchmark_steps),
+        ):
+            if count < 1:
+                raise ConfigError(key, f"{count} must be >= 1")
+        for key, count in (
+            ("--steps_per_epoch", self.train.steps_per_epoch),
+            ("--eval_samples", self.eval.eval_samples),
+        ):
+            if count is not None and count < 1:
+                raise ConfigError(key, f"{count} must be >= 1")
+
+
+BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
+CUSTOM_OPS_MODES = ("auto", "on", "off")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_value(text: str, hint):
+    """Parses `text` as a value of the type annotation `hint` (int, float, bool, str, Optional, tuples)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if text.strip().lower() in ("none", "null"):
+            return None
+        return parse_value(text, next(a for a in args if a is not type(None)))
+    if origin is tuple:
+        items = _split_list(text)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_parse_item(item, args[0]) for item in items)
+        if len(items) != len(args):
+            raise ValueError(f"expected {len(args)} values, got {len(items)}")
+        return tuple(_parse_item(item, arg) for item, arg in zip(items, args))
+    if hint is bool:
+        lowered = text.strip().lower()
+        if lowered not in _TRUE + _FALSE:
+            raise ValueError(f"'{text}' is not a boolean (true/false)")
+        return lowered in _TRUE
+    if hint in (int, float, str):
+        try:
+            return hint(text)
+        except ValueError:
+            raise ValueError(f"'{text}' is not a valid {hint.__name__}") from None
+    raise ValueError(f"unsupported field type {hint}")
+
+
+def _split_list(text: str) -> list:
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"'{text}' is not a JSON list ({err.msg})") from None
+        if not isinstance(items, list):
+            raise ValueError(f"'{text}' is not a list")
+        return items
+    return [item for item in text.split(",") if item.strip()]
+
+
+def _parse_item(item, hint):
+    # JSON lists give numbers and nested lists; comma-separated text gives strings.
+    if isinstance(item, list):
+        return parse_value(json.dumps(item), hint)
+    return parse_value(str(item), hint)
+
+
+def _suggest(config: Config, name: str) -> str:
+    """' (did you mean ...?)' listing the dotted paths whose leaf is `name`, if any."""
+    matches = [path for path in field_paths(config) if path.rsplit(".", 1)[-1] == name]
+    return f" (did you mean {' or '.join(matches)}?)" if matches else ""
+
+
+def field_paths(obj, prefix: str = "") -> list:
+    """Dotted paths of every leaf field of the dataclass `obj`, e.g. 'model.rpn.rpn_min_size'."""
+    paths = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            paths += field_paths(value, f"{prefix}{f.name}.")
+        else:
+            paths.append(prefix + f.name)
+    return paths

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set-up of a fresh clone: a virtual environment with the pinned requirements, then the native parts.
+# Idempotent: every stage leaves a stamp of its inputs and is skipped while they are unchanged, so a
+# second run costs seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+stamp="$VENV/.requirements.sha256"
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing requirements.txt into $VENV"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"

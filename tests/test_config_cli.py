@@ -1,0 +1,296 @@
+"""Config defaults, flags and overrides reaching the config, and the CLI's errors."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import main
+from mrcnn_tf2 import arguments
+from mrcnn_tf2.config import Config, ConfigError, field_paths
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The defaults the foundation issue fixes (NVIDIA TF2 config.py, max_num_instances from TAO).
+SPEC_DEFAULTS = {
+    "data.image_size": (832, 1344),
+    "data.augment_input_data": True,
+    "data.gt_mask_size": 112,
+    "data.max_num_instances": 200,
+    "data.skip_crowd_during_training": True,
+    "data.use_category": True,
+    "model.num_classes": 91,
+    "model.include_mask": True,
+    "model.fast_rcnn_mlp_head_dim": 1024,
+    "model.bbox_reg_weights": (10.0, 10.0, 5.0, 5.0),
+    "model.mrcnn_resolution": 28,
+    "model.backbone": "resnet50",
+    "model.freeze_bn": True,
+    "model.freeze_blocks": (0, 1),
+    "model.rpn.rpn_positive_overlap": 0.7,
+    "model.rpn.rpn_negative_overlap": 0.3,
+    "model.rpn.rpn_batch_size_per_im": 256,
+    "model.rpn.rpn_fg_fraction": 0.5,
+    "model.rpn.rpn_min_size": 0.0,
+    "model.rpn.train_rpn_pre_nms_topn": 2000,
+    "model.rpn.train_rpn_post_nms_topn": 1000,
+    "model.rpn.train_rpn_nms_threshold": 0.7,
+    "model.rpn.test_rpn_pre_nms_topn": 1000,
+    "model.rpn.test_rpn_post_nms_topn": 1000,
+    "model.rpn.test_rpn_nms_thresh": 0.7,
+    "model.roi.batch_size_per_im": 512,
+    "model.roi.fg_fraction": 0.25,
+    "model.roi.fg_thresh": 0.5,
+    "model.roi.bg_thresh_hi": 0.5,
+    "model.roi.bg_thresh_lo": 0.0,
+    "model.test.test_detections_per_image": 100,
+    "model.test.test_nms": 0.5,
+    "model.anchors.min_level": 2,
+    "model.anchors.max_level": 6,
+    "model.anchors.num_scales": 1,
+    "model.anchors.aspect_ratios": ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4)),
+    "model.anchors.anchor_scale": 8.0,
+    "model.loss.rpn_box_loss_weight": 1.0,
+    "model.loss.fast_rcnn_box_loss_weight": 1.0,
+    "model.loss.mrcnn_weight_loss_mask": 1.0,
+}
+
+# Every flag of the foundation issue with its default (None where the flag has no value by default).
+FLAG_DEFAULTS = {
+    "data_dir": "/data",
+    "model_dir": "/results",
+    "backbone_checkpoint": None,
+    "eval_file": None,
+    "epochs": 12,
+    "steps_per_epoch": None,
+    "eval_samples": None,
+    "train_batch_size": 4,
+    "eval_batch_size": 8,
+    "seed": None,
+    "l2_weight_decay": 1e-4,
+    "init_learning_rate": 0.0,
+    "learning_rate_values": [1e-2, 1e-3, 1e-4],
+    "learning_rate_boundaries": [0.3, 8.0, 10.0],
+    "momentum": 0.9,
+    "finetune_bn": False,
+    "use_synthetic_data": False,
+    "xla": False,
+    "amp": False,
+    "log_file": None,
+    "log_every": 100,
+    "log_warmup_steps": 100,
+    "log_graph": False,
+    "log_tensorboard": None,
+    "verbose": False,
+    "eagerly": False,
+    "backbone": "resnet50",
+    "image_size": [832, 1344],
+    "num_classes": 91,
+    "accumulate_steps": 1,
+    "benchmark": False,
+    "min_bbox_map": None,
+    "min_mask_map": None,
+    "custom_ops": "auto",
+}
+
+
+def get(config, path):
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def test_config_defaults_match_the_spec():
+    config = Config()
+    for path, expected in SPEC_DEFAULTS.items():
+        assert get(config, path) == expected, path
+    config.validate()
+
+
+def test_flag_defaults_and_no_flag_gives_the_default_config():
+    args = arguments.build_parser().parse_args(["train"])
+    for flag, expected in FLAG_DEFAULTS.items():
+        assert getattr(args, flag) == expected, flag
+    assert arguments.config_from_args(args) == Config()
+
+
+def test_leaf_names_are_unique_so_flags_and_keys_read_the_same():
+    leaves = [path.rsplit(".", 1)[-1] for path in field_paths(Config())]
+    assert len(leaves) == len(set(leaves))
+
+
+def test_flags_reach_the_config():
+    argv = (
+        "train --data_dir /d --model_dir /m --backbone_checkpoint /w --eval_file /e.json --epochs 3 "
+        "--steps_per_epoch 7 --eval_samples 9 --train_batch_size 2 --eval_batch_size 3 --seed 5 "
+        "--l2_weight_decay 0.5 --init_learning_rate 0.001 --learning_rate_values 0.1 0.01 "
+        "--learning_rate_boundaries 1 2 --momentum 0.8 --finetune_bn --use_synthetic_data --xla --amp "
+        "--log_file /l.jsonl --log_every 4 --log_warmup_steps 6 --log_graph --log_tensorboard /tb -v "
+        "--eagerly --backbone resnet18 --image_size 256 320 --num_classes 5 --accumulate_steps 2 "
+        "--benchmark --benchmark_steps 11 --min_bbox_map 0.3 --min_mask_map 0.2 --custom_ops off"
+    ).split()
+    _, config = arguments.parse(argv)
+    expected = {
+        "data.data_dir": "/d",
+        "runtime.model_dir": "/m",
+        "train.backbone_checkpoint": "/w",
+        "eval.eval_file": "/e.json",
+        "train.epochs": 3,
+        "train.steps_per_epoch": 7,
+        "eval.eval_samples": 9,
+        "train.train_batch_size": 2,
+        "eval.eval_batch_size": 3,
+        "train.seed": 5,
+        "train.l2_weight_decay": 0.5,
+        "train.init_learning_rate": 0.001,
+        "train.learning_rate_values": (0.1, 0.01),
+        "train.learning_rate_boundaries": (1.0, 2.0),
+        "train.momentum": 0.8,
+        "model.freeze_bn": False,
+        "data.use_synthetic_data": True,
+        "runtime.xla": True,
+        "runtime.amp": True,
+        "runtime.log_file": "/l.jsonl",
+        "runtime.log_every": 4,
+        "runtime.log_warmup_steps": 6,
+        "runtime.log_graph": True,
+        "runtime.log_tensorboard": "/tb",
+        "runtime.verbose": True,
+        "runtime.eagerly": True,
+        "model.backbone": "resnet18",
+        "data.image_size": (256, 320),
+        "model.num_classes": 5,
+        "train.accumulate_steps": 2,
+        "runtime.benchmark": True,
+        "runtime.benchmark_steps": 11,
+        "eval.min_bbox_map": 0.3,
+        "eval.min_mask_map": 0.2,
+        "runtime.custom_ops": "off",
+    }
+    for path, value in expected.items():
+        assert get(config, path) == value, path
+    # Everything not named above kept its default.
+    default = Config()
+    for path in field_paths(default):
+        if path not in expected:
+            assert get(config, path) == get(default, path), path
+
+
+@pytest.mark.parametrize(
+    "override, path, value",
+    [
+        ("model.rpn.rpn_min_size=2.5", "model.rpn.rpn_min_size", 2.5),
+        ("model.anchors.max_level=5", "model.anchors.max_level", 5),
+        ("model.include_mask=false", "model.include_mask", False),
+        ("data.image_size=[256, 384]", "data.image_size", (256, 384)),
+        ("data.image_size=256,384", "data.image_size", (256, 384)),
+        ("model.freeze_blocks=[]", "model.freeze_blocks", ()),
+        ("model.anchors.aspect_ratios=[[1, 1]]", "model.anchors.aspect_ratios", ((1.0, 1.0),)),
+        ("train.seed=none", "train.seed", None),
+        ("train.seed=3", "train.seed", 3),
+        ("runtime.model_dir=/x=y", "runtime.model_dir", "/x=y"),
+    ],
+)
+def test_overrides_parse_by_field_type(override, path, value):
+    _, config = arguments.parse(["train", "--config_override", override])
+    assert get(config, path) == value
+
+
+def test_override_applies_after_flags_and_repeats():
+    _, config = arguments.parse(
+        ["train", "--train_batch_size", "2", "--config_override", "train.train_batch_size=6",
+         "--config_override", "model.roi.fg_fraction=0.5"]
+    )
+    assert config.train.train_batch_size == 6
+    assert config.model.roi.fg_fraction == 0.5
+
+
+def run_main(argv, capsys):
+    """main.main's exit status and its stderr lines (argparse exits through SystemExit)."""
+    try:
+        status = main.main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--image_size", "800", "1344"], ["--image_size", "800 1344", "multiple of 2**max_level = 64"]),
+        (["--image_size", "832", "1000"], ["--image_size", "1000"]),
+        (["--learning_rate_values", "0.1", "0.01"], ["--learning_rate_values", "2 values", "3"]),
+        (["--learning_rate_boundaries", "1", "3", "2"], ["--learning_rate_boundaries", "increasing"]),
+        (["--config_override", "model.rpn.nonexistent=1"], ["--config_override", "model.rpn.nonexistent"]),
+        (["--config_override", "rpn_min_size=1"], ["--config_override", "did you mean model.rpn.rpn_min_size"]),
+        (["--config_override", "model.rpn=1"], ["--config_override", "section"]),
+        (["--config_override", "model.num_classes=many"], ["--config_override", "'many' is not a valid int"]),
+        (["--config_override", "noequals"], ["--config_override", "KEY=VALUE"]),
+        (["--train_batch_size", "0"], ["--train_batch_size", ">= 1"]),
+        (["--backbone", "resnet7"], ["--backbone", "resnet7"]),
+        (["--data_dir", "/nonexistent/dir"], ["--data_dir", "no file matches /nonexistent/dir/train*.tfrecord"]),
+    ],
+)
+def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys):
+    status, lines = run_main(["train", *argv], capsys)
+    assert status == 2
+    assert len(lines) == 1, lines
+    for name in names:
+        assert name in lines[0]
+
+
+def test_explicit_pattern_that_matches_nothing_names_the_override(tmp_path, capsys):
+    status, lines = run_main(
+        ["eval", "--config_override", f"data.validation_file_pattern={tmp_path}/none-*.tfrecord"], capsys
+    )
+    assert status == 2 and "--config_override" in lines[0] and "none-*.tfrecord" in lines[0]
+
+
+def test_mode_without_runtime_says_not_available(tmp_path, capsys, monkeypatch):
+    (tmp_path / "train-00000-of-00001.tfrecord").write_bytes(b"")
+    monkeypatch.setitem(main.RUNNERS, "train", "mrcnn_tf2.runtime.not_a_module")
+    status, lines = run_main(["train", "--data_dir", str(tmp_path)], capsys)
+    assert status == main.EXIT_NOT_AVAILABLE
+    assert "not available yet" in lines[0]
+
+
+def test_print_config_is_the_resolved_config_as_json(capsys):
+    status = main.main(["train", "--print_config", "--backbone", "resnet18", "--config_override",
+                        "model.rpn.rpn_min_size=1"])
+    printed = json.loads(capsys.readouterr().out)
+    assert status == 0 and printed["mode"] == "train"
+    assert printed["model"]["backbone"] == "resnet18"
+    assert printed["model"]["rpn"]["rpn_min_size"] == 1.0
+    expected = Config()
+    expected.model.backbone, expected.model.rpn.rpn_min_size = "resnet18", 1.0
+    assert {k: v for k, v in printed.items() if k != "mode"} == expected.to_dict()
+
+
+def test_help_lists_every_flag_with_its_default():
+    # A subprocess: this is the user's `python main.py train --help`, and it must not need TensorFlow.
+    result = subprocess.run(
+        [sys.executable, "main.py", "train", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    text = " ".join(result.stdout.split())
+    for flag in FLAG_DEFAULTS:
+        assert f"--{flag}" in text, flag
+    for flag in ("--benchmark_steps", "--config_override", "--print_config", "-v"):
+        assert flag in text
+    assert "(default: /data)" in text and "(default: 12)" in text and "(default: [0.01, 0.001, 0.0001])" in text
+
+
+def test_cli_does_not_import_tensorflow():
+    # --help and --print_config must answer at once: the CLI modules stay free of TensorFlow.
+    code = "import sys, main; main.main(['train', '--print_config']); print('tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_config_override_rejects_value_of_wrong_arity():
+    config = Config()
+    with pytest.raises(ConfigError, match="expected 2 values"):
+        config.override("data.image_size", "[1, 2, 3]")
+    assert dataclasses.asdict(config) == dataclasses.asdict(Config())
