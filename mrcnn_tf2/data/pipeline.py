@@ -1,0 +1,238 @@
+"""The tf.data input pipeline: TFRecords -> batched, padded `features` dicts for the model.
+
+Training: files matching the pattern -> this worker's shard of the files -> interleaved parallel reads
+-> shuffle -> decode -> drop crowd -> random horizontal flip (image, boxes, mask crops together) ->
+aspect-preserving resize to fit image_size -> ImageNet normalisation -> pad bottom/right -> GT masks
+cropped to their boxes at gt_mask_size -> GT padded to max_num_instances with -1 -> RPN targets per
+level -> batch -> prefetch. Evaluation: image, image_info and source_id only.
+
+Boxes are [ymin, xmin, ymax, xmax] float32 in pixels of the resized, padded image.
+`image_info` is [scaled_h, scaled_w, 1 / scale, original_h, original_w]: multiplying a box by
+image_info[2] maps it back to original-image pixels.
+
+This module reads the config; the ops it calls take plain arguments.
+
+Glossary: B batch, M = max_num_instances, S = gt_mask_size, H x W = image_size, H_l x W_l the size of
+FPN level l, A anchors per cell.
+"""
+
+import tensorflow as tf
+
+from mrcnn_tf2.data.decoder import decode_example
+from mrcnn_tf2.ops import anchors as anchor_ops
+from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
+
+# Per-channel RGB mean and standard deviation of ImageNet, on the 0..255 scale.
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+# Class id and mask value of a padded ground-truth slot (padded boxes are PADDING_BOX_VALUE).
+PADDING_CLASS = -1
+PADDING_MASK = -1.0
+# Serialized records held for shuffling (each is one encoded image: this bounds memory, not images).
+SHUFFLE_RECORDS = 256
+# Files read at once by the interleave.
+CYCLE_LENGTH = 8
+
+
+def crop_instance_masks(masks, boxes, size):
+    """Crops each instance mask to its box and resamples it to size x size.
+
+    Sampling is at pixel centres: cell (i, j) of the crop samples the mask at the continuous point
+    (ymin + (i + 0.5) * box_h / size, xmin + (j + 0.5) * box_w / size), bilinearly.
+
+    Args:
+      masks: [K, h, w] uint8 full-image masks in {0, 1}.
+      boxes: [K, 4] float32 [ymin, xmin, ymax, xmax] in pixels of the same image.
+      size: output side S.
+
+    Returns:
+      [K, S, S] float32 in [0, 1].
+    """
+    height = tf.cast(tf.shape(masks)[1], tf.float32)
+    width = tf.cast(tf.shape(masks)[2], tf.float32)
+    ymin, xmin, ymax, xmax = tf.unstack(boxes, axis=-1)
+    half_cell_h = 0.5 * (ymax - ymin) / size
+    half_cell_w = 0.5 * (xmax - xmin) / size
+    # crop_and_resize puts the first and last samples on the box corners, in index units where pixel j
+    # has its centre at j: move the corners to the first and last cell centres, shifted by half a pixel.
+    normalized = tf.stack(
+        [
+            (ymin + half_cell_h - 0.5) / tf.maximum(height - 1.0, 1.0),
+            (xmin + half_cell_w - 0.5) / tf.maximum(width - 1.0, 1.0),
+            (ymax - half_cell_h - 0.5) / tf.maximum(height - 1.0, 1.0),
+            (xmax - half_cell_w - 0.5) / tf.maximum(width - 1.0, 1.0),
+        ],
+        axis=-1,
+    )
+    crops = tf.image.crop_and_resize(
+        tf.cast(masks[..., None], tf.float32),
+        normalized,
+        tf.range(tf.shape(masks)[0]),
+        [size, size],
+        method="bilinear",
+        extrapolation_value=0.0,
+    )
+    return crops[..., 0]
+
+
+def flip_horizontally(image, boxes, *mask_crops):
+    """Mirrors an image with its boxes and, when given, their box-aligned mask crops.
+
+    Args:
+      image: [h, w, 3] image of any dtype.
+      boxes: [K, 4] float32 [ymin, xmin, ymax, xmax] in pixels of `image`.
+      *mask_crops: optionally [K, S, S] masks cropped to their boxes.
+
+    Returns:
+      (image, boxes, *mask_crops) flipped left-right.
+    """
+    width = tf.cast(tf.shape(image)[1], tf.float32)
+    ymin, xmin, ymax, xmax = tf.unstack(boxes, axis=-1)
+    boxes = tf.stack([ymin, width - xmax, ymax, width - xmin], axis=-1)
+    return (image[:, ::-1, :], boxes, *[crops[:, :, ::-1] for crops in mask_crops])
+
+
+def resize_and_pad(image, image_size):
+    """Aspect-preserving resize to fit image_size, ImageNet normalisation, zero padding bottom/right.
+
+    Args:
+      image: [h, w, 3] uint8 RGB.
+      image_size: (H, W) of the output.
+
+    Returns:
+      (image [H, W, 3] float32 normalised, image_info [5] float32
+       [scaled_h, scaled_w, 1 / scale, h, w], scale scalar float32).
+    """
+    original = tf.cast(tf.shape(image)[:2], tf.float32)
+    target = tf.constant(image_size, tf.float32)
+    scale = tf.reduce_min(target / original)
+    scaled = tf.minimum(tf.round(original * scale), target)
+    resized = tf.image.resize(tf.cast(image, tf.float32), tf.cast(scaled, tf.int32), method="bilinear")
+    normalized = (resized - IMAGENET_MEAN) / IMAGENET_STD
+    padded = tf.image.pad_to_bounding_box(normalized, 0, 0, image_size[0], image_size[1])
+    image_info = tf.concat([scaled, [1.0 / scale], original], axis=0)
+    return padded, image_info, scale
+
+
+def pad_instances(tensor, size, value):
+    """Pads (or truncates) the first dimension of `tensor` to `size` with `value`: [K, ...] -> [size, ...]."""
+    tensor = tensor[:size]
+    paddings = [[0, size - tf.shape(tensor)[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
+    padded = tf.pad(tensor, paddings, constant_values=tf.cast(value, tensor.dtype))
+    return tf.ensure_shape(padded, [size] + tensor.shape[1:].as_list())
+
+
+class InputPipeline:
+    """Builds the training or evaluation tf.data.Dataset from a Config.
+
+    Usage: `InputPipeline(config, training=True).dataset(pattern, batch_size, shard_index, num_shards)`.
+    """
+
+    def __init__(self, config, training):
+        self.data = config.data
+        self.model = config.model
+        self.training = training
+        self.seed = config.train.seed
+        anchors = self.model.anchors
+        self.anchors = anchor_ops.generate_anchors(
+            anchors.min_level,
+            anchors.max_level,
+            anchors.num_scales,
+            anchors.aspect_ratios,
+            anchors.anchor_scale,
+            self.data.image_size,
+        )
+
+    def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1):
+        """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
+
+        Files are sharded by worker (`shard_index` of `num_shards`) before reading, so each worker reads
+        its own files; there must be at least `num_shards` files. Training repeats forever; evaluation
+        reads each record once, in a fixed order, and keeps the last partial batch.
+        """
+        files = tf.data.Dataset.list_files(file_pattern, shuffle=False)
+        files = files.shard(num_shards, shard_index)
+        if self.training:
+            files = files.shuffle(4096, seed=self.seed, reshuffle_each_iteration=True).repeat()
+        records = files.interleave(
+            tf.data.TFRecordDataset,
+            cycle_length=CYCLE_LENGTH,
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=not self.training or self.seed is not None,
+        )
+        if self.training:
+            records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
+            # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.
+            examples = records.enumerate().map(self.preprocess_train, num_parallel_calls=tf.data.AUTOTUNE)
+            batches = examples.batch(batch_size, drop_remainder=True)
+            if self.data.use_synthetic_data:
+                batches = batches.take(1).cache().repeat()
+        else:
+            examples = records.map(self.preprocess_eval, num_parallel_calls=tf.data.AUTOTUNE)
+            batches = examples.batch(batch_size, drop_remainder=False)
+        return batches.prefetch(tf.data.AUTOTUNE)
+
+    def _stateless_seed(self, index):
+        """[2] int64 seed of the element `index`: fixed by --seed when given, random otherwise."""
+        base = self.seed if self.seed is not None else tf.random.uniform([], 0, 2**31 - 1, tf.int64)
+        return tf.stack([tf.cast(base, tf.int64), tf.cast(index, tf.int64)])
+
+    def preprocess_train(self, index, serialized):
+        """One training example.
+
+        Returns:
+          dict with images [H, W, 3] float32, image_info [5] float32, source_ids int64,
+          gt_boxes [M, 4] float32 (-1 padded), gt_classes [M] int32 (-1 padded),
+          gt_masks [M, S, S] float32 (with include_mask; -1 padded), rpn_score_targets
+          {level: [H_l, W_l, A] int32}, rpn_box_targets {level: [H_l, W_l, 4A] float32}.
+        """
+        data = self.data
+        include_mask = self.model.include_mask
+        example = decode_example(serialized, include_masks=include_mask)
+        image, boxes, classes = example["image"], example["gt_boxes"], example["gt_classes"]
+        keep = tf.ones_like(classes, tf.bool)
+        if data.skip_crowd_during_training:
+            keep = tf.logical_not(example["gt_is_crowd"])
+        boxes, classes = tf.boolean_mask(boxes, keep), tf.boolean_mask(classes, keep)
+        if not data.use_category:
+            classes = tf.ones_like(classes)
+        # The mask crops, when the model has a mask branch, travel with the boxes through the flip.
+        parts = (image, boxes)
+        if include_mask:
+            parts += (crop_instance_masks(tf.boolean_mask(example["gt_masks"], keep), boxes, data.gt_mask_size),)
+        seed = self._stateless_seed(index)
+        if data.augment_input_data:
+            flip = tf.random.stateless_uniform([], seed) < 0.5
+            parts = tf.cond(flip, lambda: flip_horizontally(*parts), lambda: parts)
+        image, boxes = parts[:2]
+        image, image_info, scale = resize_and_pad(image, data.image_size)
+        boxes = pad_instances(boxes * scale, data.max_num_instances, PADDING_BOX_VALUE)
+        features = {
+            "images": image,
+            "image_info": image_info,
+            "source_ids": example["source_id"],
+            "gt_boxes": boxes,
+            "gt_classes": pad_instances(classes, data.max_num_instances, PADDING_CLASS),
+        }
+        if include_mask:
+            features["gt_masks"] = pad_instances(parts[2], data.max_num_instances, PADDING_MASK)
+        rpn = self.model.rpn
+        features.update(
+            anchor_ops.rpn_targets(
+                self.anchors,
+                boxes,
+                data.image_size,
+                positive_overlap=rpn.rpn_positive_overlap,
+                negative_overlap=rpn.rpn_negative_overlap,
+                batch_size_per_im=rpn.rpn_batch_size_per_im,
+                fg_fraction=rpn.rpn_fg_fraction,
+                seed=seed + 1,
+            )
+        )
+        return features
+
+    def preprocess_eval(self, serialized):
+        """One evaluation example: dict with images [H, W, 3] float32, image_info [5], source_ids int64."""
+        example = decode_example(serialized, include_masks=False)
+        image, image_info, _ = resize_and_pad(example["image"], self.data.image_size)
+        return {"images": image, "image_info": image_info, "source_ids": example["source_id"]}
