@@ -36,16 +36,17 @@ PADDING_IOU = -1.0
 _MIN_SIZE_EPS = 1e-6
 
 
-def _check_last_dim(tensor, size, name):
+def check_last_dim(tensor, size, name):
     """Raise ValueError when the static last dimension of ``tensor`` is known and differs from ``size``."""
-    last = tensor.shape[-1] if tensor.shape.rank else None
+    shape = tf.TensorShape(tensor.shape)
+    last = shape[-1] if shape.rank else None
     if last is not None and last != size:
-        raise ValueError(f"{name} must have last dimension {size}, got shape {tensor.shape}.")
+        raise ValueError(f"{name} must have last dimension {size}, got shape {shape}.")
 
 
 def _as_boxes(boxes, name):
     boxes = tf.convert_to_tensor(boxes, dtype=tf.float32)
-    _check_last_dim(boxes, 4, name)
+    check_last_dim(boxes, 4, name)
     return boxes
 
 
@@ -184,7 +185,7 @@ def clip_boxes(boxes, image_hw):
     """
     boxes = _as_boxes(boxes, "boxes")
     image_hw = tf.convert_to_tensor(image_hw, dtype=tf.float32)
-    _check_last_dim(image_hw, 2, "image_hw")
+    check_last_dim(image_hw, 2, "image_hw")
     height, width = tf.unstack(image_hw, axis=-1)
     ymin, xmin, ymax, xmax = tf.unstack(boxes, axis=-1)
     # minimum/maximum rather than clip_by_value: the bounds may broadcast to a larger shape.

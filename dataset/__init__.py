@@ -1,0 +1,1 @@
+"""Dataset tools: the COCO -> TFRecord converter and the synthetic shapes dataset generator."""

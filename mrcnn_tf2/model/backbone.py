@@ -1,0 +1,236 @@
+"""ResNet 18/34/50/101 backbone: images in, the C2..C5 feature maps of its four residual groups out.
+
+Architecture: 7x7/2 conv (64) + BN + ReLU, 3x3/2 max-pool, then four groups of residual blocks (conv2_x ..
+conv5_x; bottleneck blocks with expansion 4 for depths 50/101, basic two-3x3 blocks for 18/34) with strides
+4, 8, 16, 32. The first block of each group has a projection shortcut (1x1 conv + BN) where its shape
+changes. ResNet v1.5 (default) puts a group's stride 2 in the 3x3 conv of its first bottleneck;
+`stride_in_1x1=True` gives original ResNet v1 (stride in the first 1x1 conv), the layout of
+keras.applications.ResNet50, whose ImageNet weights then load exactly.
+
+Layer names follow keras.applications.ResNet50 ('conv1_conv', 'conv1_bn', 'conv2_block1_1_conv',
+'conv2_block1_1_bn', 'conv2_block1_0_conv' for the shortcut, ...) so a weight converter can map by name.
+Convolutions have no bias (BN follows); a converter folds keras.applications' conv bias b into the BN's
+moving mean (mean - b), which is exact.
+Every strided or padded conv and the max-pool pad symmetrically by (kernel - 1) // 2, as keras.applications'
+explicit ZeroPadding2D and torchvision do (TF's 'same' would pad asymmetrically at stride 2).
+
+Batch norm: epsilon 1e-5 and momentum 0.9 (Detectron/torchvision values; keras.applications uses
+1.001e-5 and 0.99, a negligible difference for converted weights). Where BN runs on its moving statistics
+(inference, freeze_bn, or a frozen block group) it is folded into the conv: kernel * scale and a bias,
+so the graph holds one Conv2D + BiasAdd (+ Add) + ReLU that oneDNN fuses, with no per-pixel BN math and,
+under mixed precision, no float32 round trip of the activations.
+
+Tensors are NHWC. This module must not know about FPN levels beyond C2..C5, nor read the config.
+"""
+
+import keras
+import tensorflow as tf
+
+BN_EPSILON = 1e-5
+BN_MOMENTUM = 0.9
+# Blocks per residual group (conv2_x .. conv5_x) for each supported depth.
+BLOCKS_PER_GROUP = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
+BOTTLENECK_DEPTHS = (50, 101)
+# Width of the 3x3 convs in each group; bottleneck outputs are BOTTLENECK_EXPANSION times wider.
+GROUP_FILTERS = (64, 128, 256, 512)
+BOTTLENECK_EXPANSION = 4
+STEM_FILTERS = 64
+# Index of the stem in `freeze_blocks`; residual groups are 1..4 (conv2_x .. conv5_x).
+STEM_GROUP = 0
+NUM_GROUPS = len(GROUP_FILTERS)
+# Feature level of each group's output: group g (1..4) gives C_{g+1} at stride 2**(g+1).
+FIRST_LEVEL = 2
+
+
+def he_normal_fan_out():
+    """He init with fan_out (kaiming_normal mode='fan_out'), as torchvision and Detectron initialise convs."""
+    return keras.initializers.VarianceScaling(scale=2.0, mode="fan_out", distribution="untruncated_normal")
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class ConvBN(keras.layers.Layer):
+    """Conv (no bias) + batch norm + optional ReLU, padding (kernel_size - 1) // 2 on each side.
+
+    Holds its weights in a Conv2D sublayer named `name + '_conv'` and a BatchNormalization sublayer named
+    `name + '_bn'` (keras.applications names); the conv itself runs here, so that BN on moving statistics
+    can be folded into the kernel. Freeze the BN by setting `layer.bn.trainable = False`.
+
+    Variables are read in float32 (autocast off) to fold precisely; the folded kernel and bias are cast
+    once to the compute dtype, so mixed_bfloat16 convolves in bfloat16.
+
+    call(inputs [B, H, W, C_in], residual=None, training=None) -> [B, H / strides, W / strides, filters]
+    in the compute dtype. `residual` (same shape as the output) is added before the ReLU: the end of a
+    residual block, kept here so that Conv + BiasAdd + Add + ReLU stay adjacent for the fusion.
+    """
+
+    def __init__(self, filters, kernel_size, strides=1, relu=True, **kwargs):
+        super().__init__(autocast=False, **kwargs)
+        self.filters = filters
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.relu = relu
+        self.conv = keras.layers.Conv2D(
+            filters, kernel_size, strides=strides, padding="same", use_bias=False,
+            kernel_initializer=he_normal_fan_out(), name=f"{self.name}_conv",
+        )
+        self.bn = keras.layers.BatchNormalization(epsilon=BN_EPSILON, momentum=BN_MOMENTUM, name=f"{self.name}_bn")
+        pad = (kernel_size - 1) // 2
+        # Same output size as the sublayer's 'same', but symmetric: at stride 1 'SAME' is already symmetric
+        # for odd kernels; strided convs need it spelled out.
+        if strides == 1:
+            self._padding = "SAME"
+        elif pad == 0:
+            self._padding = "VALID"
+        else:
+            self._padding = [[0, 0], [pad, pad], [pad, pad], [0, 0]]
+
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+        self.bn.build(tuple(input_shape[:-1]) + (self.filters,))
+
+    def call(self, inputs, residual=None, training=None):
+        x = tf.cast(inputs, self.compute_dtype)
+        kernel = self.conv.kernel
+        if training and self.bn.trainable:
+            x = self.bn(self._convolve(x, tf.cast(kernel, self.compute_dtype)), training=True)
+        else:
+            scale = self.bn.gamma * tf.math.rsqrt(self.bn.moving_variance + self.bn.epsilon)
+            bias = self.bn.beta - self.bn.moving_mean * scale
+            x = self._convolve(x, tf.cast(kernel * scale, self.compute_dtype))
+            x = tf.nn.bias_add(x, tf.cast(bias, self.compute_dtype))
+        if residual is not None:
+            x = x + tf.cast(residual, self.compute_dtype)
+        return tf.nn.relu(x) if self.relu else x
+
+    def _convolve(self, x, kernel):
+        return tf.nn.conv2d(x, kernel, self.strides, self._padding)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(filters=self.filters, kernel_size=self.kernel_size, strides=self.strides, relu=self.relu)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class ResidualBlock(keras.layers.Layer):
+    """One residual block, named like keras.applications ('conv3_block1'); sublayers '<name>_<i>'.
+
+    Bottleneck (`bottleneck=True`): 1x1 (filters) -> 3x3 (filters) -> 1x1 (4 * filters); the block's stride
+    sits in the 3x3 conv (v1.5) or in the first 1x1 (`stride_in_1x1=True`, v1). Basic: 3x3 -> 3x3, stride
+    in the first. A projection shortcut '<name>_0' (1x1 conv, stride, BN) replaces the identity where the
+    stride or width changes.
+
+    call(inputs [B, H, W, C_in], training=None) -> [B, H / strides, W / strides, C_out] in the compute dtype.
+    """
+
+    def __init__(self, filters, strides, bottleneck, stride_in_1x1, projection, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = filters
+        self.strides = strides
+        self.bottleneck = bottleneck
+        self.stride_in_1x1 = stride_in_1x1
+        self.projection = projection
+        out_filters = filters * BOTTLENECK_EXPANSION if bottleneck else filters
+        if bottleneck:
+            stride_1x1, stride_3x3 = (strides, 1) if stride_in_1x1 else (1, strides)
+            specs = [(filters, 1, stride_1x1), (filters, 3, stride_3x3), (out_filters, 1, 1)]
+        else:
+            specs = [(filters, 3, strides), (filters, 3, 1)]
+        # The last conv's ReLU comes after the shortcut is added (ConvBN's `residual`).
+        self.convs = [ConvBN(f, k, s, name=f"{self.name}_{i}") for i, (f, k, s) in enumerate(specs, 1)]
+        self.shortcut = ConvBN(out_filters, 1, strides, relu=False, name=f"{self.name}_0") if projection else None
+
+    def call(self, inputs, training=None):
+        residual = inputs if self.shortcut is None else self.shortcut(inputs, training=training)
+        x = inputs
+        for conv in self.convs[:-1]:
+            x = conv(x, training=training)
+        return self.convs[-1](x, residual=residual, training=training)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            filters=self.filters, strides=self.strides, bottleneck=self.bottleneck,
+            stride_in_1x1=self.stride_in_1x1, projection=self.projection,
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class ResNet(keras.Model):
+    """ResNet backbone (v1.5 by default) returning the outputs of its four residual groups.
+
+    Args:
+      depth: 18, 34, 50 or 101.
+      stride_in_1x1: False (v1.5, stride in the bottleneck's 3x3 conv) or True (v1, as keras.applications).
+      freeze_bn: BN always uses its moving statistics (also with training=True) and its gamma/beta are
+        not trainable: the small per-device batches of detection training give poor batch statistics.
+      freeze_blocks: block-group indices whose layers are not trainable (and whose BN is therefore frozen
+        too): 0 the stem (conv1), 1 conv2_x, 2 conv3_x, 3 conv4_x, 4 conv5_x.
+
+    call(images, training=None):
+      images: [B, H, W, 3] float, H and W multiples of 32 (any size works; then strides round up).
+      Returns {2: C2, 3: C3, 4: C4, 5: C5}, C_l of shape [B, H / 2**l, W / 2**l, C_l channels]
+      (64/128/256/512 for depths 18/34, four times that for 50/101) in the policy's compute dtype.
+    """
+
+    def __init__(self, depth=50, stride_in_1x1=False, freeze_bn=True, freeze_blocks=(0, 1), **kwargs):
+        super().__init__(**kwargs)
+        if depth not in BLOCKS_PER_GROUP:
+            raise ValueError(f"ResNet depth {depth} is not one of {sorted(BLOCKS_PER_GROUP)}")
+        freeze_blocks = tuple(int(g) for g in freeze_blocks)
+        if any(not STEM_GROUP <= g <= NUM_GROUPS for g in freeze_blocks):
+            raise ValueError(f"freeze_blocks {freeze_blocks}: indices must be in [{STEM_GROUP}, {NUM_GROUPS}]")
+        self.depth = depth
+        self.stride_in_1x1 = bool(stride_in_1x1)
+        self.freeze_bn = bool(freeze_bn)
+        self.freeze_blocks = freeze_blocks
+        bottleneck = depth in BOTTLENECK_DEPTHS
+        self.stem = ConvBN(STEM_FILTERS, 7, strides=2, name="conv1")
+        self.groups = []
+        in_filters = STEM_FILTERS
+        for g, (num_blocks, filters) in enumerate(zip(BLOCKS_PER_GROUP[depth], GROUP_FILTERS), 1):
+            strides = 1 if g == 1 else 2
+            out_filters = filters * BOTTLENECK_EXPANSION if bottleneck else filters
+            self.groups.append([
+                ResidualBlock(
+                    filters, strides if b == 1 else 1, bottleneck, self.stride_in_1x1,
+                    projection=b == 1 and (strides != 1 or in_filters != out_filters),
+                    name=f"conv{g + 1}_block{b}",
+                )
+                for b in range(1, num_blocks + 1)
+            ])
+            in_filters = out_filters
+        frozen = [self.stem] if STEM_GROUP in freeze_blocks else []
+        frozen += [block for g in freeze_blocks if g != STEM_GROUP for block in self.groups[g - 1]]
+        for layer in frozen:
+            layer.trainable = False
+        if self.freeze_bn:
+            for layer in self._flatten_layers(include_self=False):
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    layer.trainable = False
+
+    def build(self, input_shape):
+        if len(input_shape) != 4 or input_shape[-1] != 3:
+            raise ValueError(f"ResNet expects images [B, H, W, 3], got shape {tuple(input_shape)}")
+        super().build(input_shape)
+
+    def call(self, images, training=None):
+        x = self.stem(images, training=training)
+        # keras.applications' zero padding equals max-pool padding here: the stem's output is post-ReLU,
+        # so >= 0. A separate pad, because XLA does not compile pooling with explicit padding.
+        x = tf.nn.max_pool2d(tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]]), 3, 2, "VALID", name="pool1_pool")
+        features = {}
+        for level, blocks in enumerate(self.groups, FIRST_LEVEL):
+            for block in blocks:
+                x = block(x, training=training)
+            features[level] = x
+        return features
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            depth=self.depth, stride_in_1x1=self.stride_in_1x1, freeze_bn=self.freeze_bn,
+            freeze_blocks=list(self.freeze_blocks),
+        )
+        return config

@@ -1,0 +1,95 @@
+"""Feature Pyramid Network: backbone maps {2: C2, ..., 5: C5} in, equal-width maps {min_level..max_level} out.
+
+Each backbone level gets a lateral 1x1 conv; the top-down path adds the 2x nearest-neighbour upsampled
+coarser sum; a 3x3 conv then smooths each sum (Lin et al. 2017). Levels above 5 are not computed from
+the backbone: P6 = P5 subsampled with stride 2, which is NVIDIA's and Detectron's max-pool with pool size
+1 and stride 2, and each further level subsamples the one below it the same way.
+
+Convs carry a bias and use Caffe2's XavierFill (uniform, variance 1 / fan_in) as Detectron and
+torchvision's FPN do. Tensors are NHWC; levels are int dict keys. This module must not know about anchors
+or heads.
+"""
+
+import keras
+import tensorflow as tf
+
+# The backbone's finest and coarsest levels (C2 at stride 4, C5 at stride 32).
+BACKBONE_MIN_LEVEL = 2
+BACKBONE_MAX_LEVEL = 5
+
+
+def xavier_fill():
+    """Caffe2's XavierFill: uniform with variance 1 / fan_in (torchvision's kaiming_uniform_(a=1))."""
+    return keras.initializers.VarianceScaling(scale=1.0, mode="fan_in", distribution="uniform")
+
+
+def upsample2x(x):
+    """Nearest-neighbour 2x upsampling, [B, H, W, C] -> [B, 2H, 2W, C], one broadcast copy."""
+    shape = tf.shape(x)
+    batch, height, width, channels = shape[0], shape[1], shape[2], shape[3]
+    x = tf.broadcast_to(x[:, :, None, :, None, :], [batch, height, 2, width, 2, channels])
+    static = x.shape
+    out = tf.reshape(x, [batch, 2 * height, 2 * width, channels])
+    return tf.ensure_shape(out, [static[0], _times2(static[1]), _times2(static[3]), static[5]])
+
+
+def _times2(dim):
+    return None if dim is None else 2 * dim
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class FPN(keras.layers.Layer):
+    """Feature pyramid over ResNet features.
+
+    Args:
+      min_level: finest output level, in [2, 5].
+      max_level: coarsest output level, >= 5; levels above 5 are stride-2 subsamplings.
+      num_filters: width of every output map.
+
+    call(features, training=None):
+      features: {level: [B, H / 2**level, W / 2**level, C_level]} for levels min_level..5 (others ignored);
+        H and W multiples of 2**5 so each map is exactly twice the next coarser one.
+      Returns {level: [B, H / 2**level, W / 2**level, num_filters]} for min_level..max_level in the
+      compute dtype (levels above 5: ceil of the size below / 2).
+    """
+
+    def __init__(self, min_level=2, max_level=6, num_filters=256, **kwargs):
+        super().__init__(**kwargs)
+        if not BACKBONE_MIN_LEVEL <= min_level <= BACKBONE_MAX_LEVEL:
+            raise ValueError(f"FPN min_level {min_level} must be in [{BACKBONE_MIN_LEVEL}, {BACKBONE_MAX_LEVEL}]")
+        if max_level < BACKBONE_MAX_LEVEL:
+            raise ValueError(f"FPN max_level {max_level} must be >= {BACKBONE_MAX_LEVEL}")
+        self.min_level = min_level
+        self.max_level = max_level
+        self.num_filters = num_filters
+        levels = range(min_level, BACKBONE_MAX_LEVEL + 1)
+        conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros")
+        self.lateral = {level: keras.layers.Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
+                        for level in levels}
+        self.output_convs = {level: keras.layers.Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}",
+                                                        **conv)
+                             for level in levels}
+
+    def build(self, input_shape):
+        missing = [level for level in self.lateral if level not in input_shape]
+        if missing:
+            raise ValueError(f"FPN needs backbone levels {sorted(self.lateral)}; missing {missing}")
+        for level in self.lateral:
+            self.lateral[level].build(input_shape[level])
+            self.output_convs[level].build(tuple(input_shape[level][:-1]) + (self.num_filters,))
+
+    def call(self, features, training=None):
+        top_down = None
+        outputs = {}
+        for level in range(BACKBONE_MAX_LEVEL, self.min_level - 1, -1):
+            lateral = self.lateral[level](features[level])
+            top_down = lateral if top_down is None else lateral + upsample2x(top_down)
+            outputs[level] = self.output_convs[level](top_down)
+        for level in range(BACKBONE_MAX_LEVEL + 1, self.max_level + 1):
+            outputs[level] = outputs[level - 1][:, ::2, ::2, :]
+        return {level: outputs[level] for level in range(self.min_level, self.max_level + 1)}
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(min_level=self.min_level, max_level=self.max_level, num_filters=self.num_filters)
+        return config

@@ -1,0 +1,215 @@
+"""Mask R-CNN's learned heads: RPN (on every FPN level), box head and mask head (on RoI features).
+
+Glossary: B batch, L FPN levels, A anchors per cell, N RoIs per image, K classes (0 = background),
+C feature channels, S RoI side.
+
+Output dtype: the final layer of every head is a float32 layer (dtype='float32'), so logits and deltas are
+float32 even under a mixed precision policy: the losses, proposal decoding and NMS run in float32, and
+bfloat16 deltas would lose the precision box decoding needs. The hidden layers follow the global policy.
+
+Initialisers follow Detectron: RPN convs normal(0.01), class logits normal(0.01), box deltas
+normal(0.001), all with zero bias; FC layers Caffe2 XavierFill (uniform, variance 1 / fan_in); mask convs
+He normal with fan_out.
+
+This module must not decode boxes, select RoIs or compute losses.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from mrcnn_tf2.model.backbone import he_normal_fan_out
+from mrcnn_tf2.model.fpn import xavier_fill
+
+RPN_INIT_STDDEV = 0.01
+CLASS_INIT_STDDEV = 0.01
+BOX_INIT_STDDEV = 0.001
+BOX_CODE_SIZE = 4  # (dy, dx, dh, dw)
+
+
+def _normal(stddev):
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class RPNHead(keras.layers.Layer):
+    """Region proposal head, one set of weights shared by all levels.
+
+    A 3x3 conv (num_filters, ReLU), then two 1x1 convs: objectness (one logit per anchor) and box deltas.
+
+    Args:
+      num_anchors: A, anchors per feature-map cell.
+      num_filters: width of the shared 3x3 conv.
+
+    call(features, training=None):
+      features: {level: [B, H_l, W_l, C]} FPN maps.
+      Returns {'rpn_scores': {level: [B, H_l, W_l, A]} float32 logits,
+               'rpn_boxes': {level: [B, H_l, W_l, 4A]} float32 deltas}. Channels [4a, 4a + 4) of
+      rpn_boxes are (dy, dx, dh, dw) of anchor a, whose objectness is channel a of rpn_scores; the anchor
+      generator orders a cell's anchors the same way.
+    """
+
+    def __init__(self, num_anchors, num_filters=256, **kwargs):
+        super().__init__(**kwargs)
+        self.num_anchors = num_anchors
+        self.num_filters = num_filters
+        self.conv = keras.layers.Conv2D(
+            num_filters, 3, padding="same", activation="relu", kernel_initializer=_normal(RPN_INIT_STDDEV),
+            bias_initializer="zeros", name="rpn_conv",
+        )
+        self.score_conv = keras.layers.Conv2D(
+            num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
+            dtype="float32", name="rpn_scores",
+        )
+        self.box_conv = keras.layers.Conv2D(
+            BOX_CODE_SIZE * num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
+            dtype="float32", name="rpn_boxes",
+        )
+
+    def build(self, input_shape):
+        shape = next(iter(input_shape.values()))
+        self.conv.build(shape)
+        hidden = tuple(shape[:-1]) + (self.num_filters,)
+        self.score_conv.build(hidden)
+        self.box_conv.build(hidden)
+
+    def call(self, features, training=None):
+        scores, boxes = {}, {}
+        for level, feature in features.items():
+            hidden = self.conv(feature)
+            scores[level] = self.score_conv(hidden)
+            boxes[level] = self.box_conv(hidden)
+        return {"rpn_scores": scores, "rpn_boxes": boxes}
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_anchors=self.num_anchors, num_filters=self.num_filters)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class BoxHead(keras.layers.Layer):
+    """Fast R-CNN box head: two FC layers (ReLU), then class logits and class-specific box deltas.
+
+    Args:
+      num_classes: K, background included.
+      mlp_head_dim: width of the two FC layers.
+
+    call(roi_features, training=None):
+      roi_features: [B, N, S, S, C] RoIAlign output (S = 7 in Mask R-CNN).
+      Returns {'class_logits': [B, N, K] float32,
+               'box_deltas': [B, N, K, 4] float32 (dy, dx, dh, dw) for each class}.
+      Reshape trail: [B, N, S, S, C] -> [B*N, S*S*C] -> FCs -> [B*N, K], [B*N, 4K] -> [B, N, K], [B, N, K, 4].
+    """
+
+    def __init__(self, num_classes, mlp_head_dim=1024, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = num_classes
+        self.mlp_head_dim = mlp_head_dim
+        fc = dict(units=mlp_head_dim, activation="relu", kernel_initializer=xavier_fill(), bias_initializer="zeros")
+        self.fc6 = keras.layers.Dense(name="fc6", **fc)
+        self.fc7 = keras.layers.Dense(name="fc7", **fc)
+        self.class_dense = keras.layers.Dense(
+            num_classes, kernel_initializer=_normal(CLASS_INIT_STDDEV), bias_initializer="zeros", dtype="float32",
+            name="class_logits",
+        )
+        self.box_dense = keras.layers.Dense(
+            BOX_CODE_SIZE * num_classes, kernel_initializer=_normal(BOX_INIT_STDDEV), bias_initializer="zeros",
+            dtype="float32", name="box_deltas",
+        )
+
+    def build(self, input_shape):
+        if len(input_shape) != 5:
+            raise ValueError(f"BoxHead expects RoI features [B, N, S, S, C], got shape {tuple(input_shape)}")
+        self.fc6.build((None, input_shape[2] * input_shape[3] * input_shape[4]))
+        self.fc7.build((None, self.mlp_head_dim))
+        self.class_dense.build((None, self.mlp_head_dim))
+        self.box_dense.build((None, self.mlp_head_dim))
+
+    def call(self, roi_features, training=None):
+        batch, num_rois = _batch_and_rois(roi_features)
+        x = tf.reshape(roi_features, [-1, math.prod(roi_features.shape[2:])])
+        x = self.fc7(self.fc6(x))
+        return {
+            "class_logits": tf.reshape(self.class_dense(x), [batch, num_rois, self.num_classes]),
+            "box_deltas": tf.reshape(self.box_dense(x), [batch, num_rois, self.num_classes, BOX_CODE_SIZE]),
+        }
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_classes=self.num_classes, mlp_head_dim=self.mlp_head_dim)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class MaskHead(keras.layers.Layer):
+    """Mask head: num_convs 3x3 convs (ReLU), a 2x2 stride-2 transposed conv (ReLU), 1x1 class logits.
+
+    Args:
+      num_classes: K, background included (its channel is predicted but never selected).
+      num_filters: width of the convs and the transposed conv.
+      num_convs: number of 3x3 convs.
+
+    call(roi_features, training=None):
+      roi_features: [B, N, S, S, C] RoIAlign output (S = 14 in Mask R-CNN).
+      Returns [B, N, 2S, 2S, K] float32 mask logits of every class; `select_class_masks` picks one.
+      Reshape trail: [B, N, S, S, C] -> [B*N, S, S, C] -> convs -> [B*N, 2S, 2S, K] -> [B, N, 2S, 2S, K].
+    """
+
+    def __init__(self, num_classes, num_filters=256, num_convs=4, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = num_classes
+        self.num_filters = num_filters
+        self.num_convs = num_convs
+        init = dict(kernel_initializer=he_normal_fan_out(), bias_initializer="zeros")
+        self.convs = [
+            keras.layers.Conv2D(num_filters, 3, padding="same", activation="relu", name=f"mask_conv{i}", **init)
+            for i in range(1, num_convs + 1)
+        ]
+        self.deconv = keras.layers.Conv2DTranspose(
+            num_filters, 2, strides=2, activation="relu", name="mask_deconv", **init
+        )
+        self.logits = keras.layers.Conv2D(num_classes, 1, dtype="float32", name="mask_logits", **init)
+
+    def build(self, input_shape):
+        if len(input_shape) != 5:
+            raise ValueError(f"MaskHead expects RoI features [B, N, S, S, C], got shape {tuple(input_shape)}")
+        shape = (None,) + tuple(input_shape[2:])
+        for conv in self.convs:
+            conv.build(shape)
+            shape = shape[:-1] + (self.num_filters,)
+        self.deconv.build(shape)
+        self.logits.build((None, 2 * shape[1], 2 * shape[2], self.num_filters))
+
+    def call(self, roi_features, training=None):
+        batch, num_rois = _batch_and_rois(roi_features)
+        x = tf.reshape(roi_features, [-1] + list(roi_features.shape[2:]))
+        for conv in self.convs:
+            x = conv(x)
+        x = self.logits(self.deconv(x))
+        return tf.reshape(x, [batch, num_rois] + list(x.shape[1:]))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_classes=self.num_classes, num_filters=self.num_filters, num_convs=self.num_convs)
+        return config
+
+
+def select_class_masks(mask_logits, classes):
+    """Each RoI's mask for its class.
+
+    Args:
+      mask_logits: [B, N, S, S, K] mask logits of every class.
+      classes: [B, N] int32 in [0, K) (padded slots may use 0, the background channel).
+
+    Returns:
+      [B, N, S, S] mask_logits[b, n, :, :, classes[b, n]], same dtype as mask_logits.
+    """
+    return tf.gather(mask_logits, tf.cast(classes, tf.int32), axis=4, batch_dims=2)
+
+
+def _batch_and_rois(roi_features):
+    """B (dynamic) and N (static where known) of [B, N, ...] RoI features."""
+    num_rois = roi_features.shape[1]
+    return tf.shape(roi_features)[0], tf.shape(roi_features)[1] if num_rois is None else num_rois

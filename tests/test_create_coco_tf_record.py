@@ -1,0 +1,485 @@
+"""Tests of dataset/create_coco_tf_record.py: round trip against pycocotools, determinism across worker counts,
+the warnings file for each kind of bad annotation, bad images, fatal input errors, colour modes, CLI flags."""
+
+import copy
+import glob
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+
+from dataset import create_coco_tf_record as converter
+from dataset.coco_io import encode_jpeg
+from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
+
+# Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
+# compared separately so that no unexpected key slips in.
+FEATURES = {
+    "image/encoded": tf.io.FixedLenFeature([], tf.string),
+    "image/source_id": tf.io.FixedLenFeature([], tf.string),
+    "image/height": tf.io.FixedLenFeature([], tf.int64),
+    "image/width": tf.io.FixedLenFeature([], tf.int64),
+    "image/filename": tf.io.FixedLenFeature([], tf.string),
+    "image/object/bbox/xmin": tf.io.VarLenFeature(tf.float32),
+    "image/object/bbox/xmax": tf.io.VarLenFeature(tf.float32),
+    "image/object/bbox/ymin": tf.io.VarLenFeature(tf.float32),
+    "image/object/bbox/ymax": tf.io.VarLenFeature(tf.float32),
+    "image/object/class/label": tf.io.VarLenFeature(tf.int64),
+    "image/object/class/text": tf.io.VarLenFeature(tf.string),
+    "image/object/area": tf.io.VarLenFeature(tf.float32),
+    "image/object/is_crowd": tf.io.VarLenFeature(tf.int64),
+}
+MASK_FEATURES = {"image/object/mask": tf.io.VarLenFeature(tf.string)}
+
+
+def read_shards(output_dir, tag, include_masks=True):
+    """Parses every record of a tag's shards: {source_id: {key: numpy value}} plus {source_id: shard index}."""
+    spec = dict(FEATURES, **MASK_FEATURES) if include_masks else FEATURES
+    records, shard_of = {}, {}
+    for shard, path in enumerate(sorted(glob.glob(os.path.join(output_dir, f"{tag}-*.tfrecord")))):
+        for serialized in tf.data.TFRecordDataset(path):
+            keys = set(tf.train.Example.FromString(serialized.numpy()).features.feature)
+            assert keys == set(spec)
+            parsed = tf.io.parse_single_example(serialized, spec)
+            example = {
+                key: (tf.sparse.to_dense(value) if isinstance(value, tf.SparseTensor) else value).numpy()
+                for key, value in parsed.items()
+            }
+            source_id = int(example["image/source_id"])
+            assert source_id not in records, f"image {source_id} written twice"
+            records[source_id] = example
+            shard_of[source_id] = shard
+    return records, shard_of
+
+
+def decode_png(data):
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return str(path)
+
+
+def write_jpeg(path, height, width, value=(90, 140, 200)):
+    Image.fromarray(np.full((height, width, 3), value, np.uint8)).save(path, format="JPEG")
+
+
+def polygon_box(x0, y0, x1, y1):
+    """A rectangle as one COCO polygon over pixel corners: it rasterizes to columns x0..x1-1, rows y0..y1-1."""
+    return [float(v) for v in (x0, y0, x1, y0, x1, y1, x0, y1)]
+
+
+def rasterize(polygons, height, width):
+    """pycocotools' rasterization of a COCO polygon list: [height, width] bool."""
+    return mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects(polygons, height, width))).astype(bool)
+
+
+@pytest.fixture(scope="module")
+def shapes_split(tmp_path_factory):
+    """Generated images and annotations, edited to also hold a compressed RLE and an uncompressed-RLE crowd."""
+    root = tmp_path_factory.mktemp("shapes")
+    make_shapes_dataset(str(root), num_train=7, num_val=0, seed=1, min_size=64, max_size=96)
+    with open(root / "annotations" / "instances_train.json") as f:
+        dataset = json.load(f)
+    solid = [a for a in dataset["annotations"] if not a["iscrowd"]]
+    assert len(solid) >= 3
+    height_width = {image["id"]: (image["height"], image["width"]) for image in dataset["images"]}
+    for annotation, crowd, compressed in ((solid[0], 1, False), (solid[1], 0, True)):
+        mask = rasterize(annotation["segmentation"], *height_width[annotation["image_id"]])
+        rle = encode_uncompressed_rle(mask)
+        if compressed:
+            rle = mask_utils.frPyObjects(rle, *rle["size"])
+            rle["counts"] = rle["counts"].decode("ascii")
+        annotation.update(segmentation=rle, iscrowd=crowd)
+    annotations_file = write_json(root / "annotations" / "instances_mixed.json", dataset)
+    return str(root / "train"), annotations_file, dataset
+
+
+def test_round_trip_matches_pycocotools(shapes_split, tmp_path):
+    image_dir, annotations_file, dataset = shapes_split
+    summary = converter.convert_coco(image_dir, annotations_file, str(tmp_path), num_shards=3, num_workers=1,
+                                     progress=False)
+    assert summary.tag == "mixed"
+    assert sorted(os.listdir(tmp_path)) == [f"mixed-0000{i}-of-00003.tfrecord" for i in range(3)] + [
+        "mixed_warnings.json"
+    ]
+    records, shard_of = read_shards(str(tmp_path), "mixed")
+    images = dataset["images"]
+    assert sorted(records) == [image["id"] for image in images]
+    assert summary.images_written == len(images) and summary.images_skipped == 0
+    assert summary.instances == len(dataset["annotations"]) and summary.warnings == 0
+
+    coco = COCO(annotations_file)
+    names = {c["id"]: c["name"].encode() for c in dataset["categories"]}
+    assert any(a["iscrowd"] for a in dataset["annotations"])
+    for index, image in enumerate(images):
+        record = records[image["id"]]
+        assert shard_of[image["id"]] == index % 3
+        height, width = image["height"], image["width"]
+        with open(os.path.join(image_dir, image["file_name"]), "rb") as f:
+            assert record["image/encoded"] == f.read()  # an RGB JPEG goes through untouched
+        assert (record["image/height"], record["image/width"]) == (height, width)
+        assert record["image/filename"] == image["file_name"].encode()
+        annotations = coco.loadAnns(coco.getAnnIds(imgIds=image["id"], iscrowd=None))
+        boxes = np.array([a["bbox"] for a in annotations], np.float64).reshape(-1, 4)
+        xmin, ymin = boxes[:, 0], boxes[:, 1]
+        xmax, ymax = xmin + boxes[:, 2], ymin + boxes[:, 3]
+        for key, expected in (("xmin", xmin / width), ("ymin", ymin / height), ("xmax", xmax / width),
+                              ("ymax", ymax / height)):
+            np.testing.assert_allclose(record[f"image/object/bbox/{key}"], expected, atol=1e-6)
+        np.testing.assert_array_equal(record["image/object/class/label"], [a["category_id"] for a in annotations])
+        assert list(record["image/object/class/text"]) == [names[a["category_id"]] for a in annotations]
+        np.testing.assert_allclose(record["image/object/area"], [a["area"] for a in annotations], rtol=1e-6)
+        np.testing.assert_array_equal(record["image/object/is_crowd"], [a["iscrowd"] for a in annotations])
+        assert len(record["image/object/mask"]) == len(annotations)
+        for png, annotation in zip(record["image/object/mask"], annotations):
+            mask = decode_png(png)
+            assert mask.shape == (height, width) and set(np.unique(mask)) <= {0, 1}
+            expected = coco.annToMask(annotation).astype(bool)
+            iou = np.logical_and(mask, expected).sum() / np.logical_or(mask, expected).sum()
+            assert iou >= 0.99
+
+    with open(summary.warnings_path) as f:
+        report = json.load(f)
+    assert report["images"] == {} and set(report["counts"].values()) == {0}
+    assert report["actions"] == converter.WARNING_ACTIONS
+
+
+def test_output_is_identical_for_any_number_of_workers(shapes_split, tmp_path):
+    image_dir, annotations_file, _ = shapes_split
+    outputs = []
+    for workers in (1, 2):
+        output_dir = tmp_path / f"workers{workers}"
+        converter.convert_coco(image_dir, annotations_file, str(output_dir), num_shards=2, num_workers=workers,
+                               progress=False)
+        outputs.append({name: (output_dir / name).read_bytes() for name in sorted(os.listdir(output_dir))})
+    assert list(outputs[0]) == list(outputs[1]) and len(outputs[0]) == 3
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture
+def broken_split(tmp_path):
+    """Two 48x64 images and annotations with one instance of each kind of problem (ids say which)."""
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    write_jpeg(image_dir / "a.jpg", 48, 64)
+    write_jpeg(image_dir / "b.jpg", 48, 64)
+    good = [polygon_box(10, 10, 20, 20)]
+    compressed = mask_utils.encode(np.asfortranarray(np.pad(np.ones((4, 5), np.uint8), ((30, 14), (40, 19)))))
+    broken_rle = {"size": [48, 64], "counts": [3, 4, 5]}  # covers 12 pixels of 48 * 64
+    annotations = [
+        dict(id=1, category_id=1, bbox=[10, 10, 10, 10], segmentation=good),  # fine
+        dict(id=2, category_id=2, bbox=[50, 40, 30, 20], segmentation=[polygon_box(50, 40, 64, 48)]),  # clipped
+        dict(id=3, category_id=1, bbox=[100, 100, 10, 10], segmentation=good),  # entirely outside
+        dict(id=4, category_id=1, bbox=[10, 10, 0, 10], segmentation=good),  # zero width
+        dict(id=5, category_id=1, bbox=[10, 10, 10, 10], segmentation=good, area=0),  # zero area
+        dict(id=6, category_id=1, bbox=[0, 0, 8, 8], segmentation=[polygon_box(30, 30, 40, 40)]),  # mask elsewhere
+        dict(id=7, category_id=2, bbox=[10, 10, 10, 10], segmentation=[[1, 2, 3, 4], *good]),  # a short one
+        dict(id=8, category_id=2, bbox=[10, 10, 10, 10], segmentation=[[1, 2, 3, 4]]),  # only short polygons
+        dict(id=9, category_id=99, bbox=[10, 10, 10, 10], segmentation=good),  # unknown category
+        dict(id=10, category_id=0, bbox=[10, 10, 10, 10], segmentation=good),  # background id
+        dict(id=11, category_id=1, bbox=[10, 10, 10, 10], segmentation=broken_rle),
+        dict(id=12, category_id=2, bbox=[40, 30, 5, 4], iscrowd=1,
+             segmentation={"size": [48, 64], "counts": compressed["counts"].decode("ascii")}),  # fine crowd
+        dict(id=13, category_id=1, bbox=[10, 10, 10, 10]),  # no segmentation
+        dict(id=14, category_id=1, bbox=[10, 10, 10, 10], segmentation=[polygon_box(-30, -30, -20, -20)]),
+        dict(id=15, category_id=1, bbox=[10, 10, 10, 10], segmentation=[[1, 2, 3, 4, 5]]),  # odd length
+        dict(id=16, category_id=1, bbox=[10, 10, 10, 10], segmentation=good, image_id=77),  # no such image
+        dict(id=17, category_id=1, bbox=[5, 5, 10, 10], segmentation=[polygon_box(5, 5, 15, 15)], image_id=2),
+    ]
+    for annotation in annotations:
+        annotation.setdefault("image_id", 1)
+    dataset = {
+        "images": [
+            {"id": 1, "file_name": "a.jpg", "height": 48, "width": 64},
+            {"id": 2, "file_name": "b.jpg", "height": 40, "width": 40},  # the file is 48 x 64
+        ],
+        "annotations": annotations,
+        "categories": [{"id": 1, "name": "one"}, {"id": 2, "name": "two"}],
+    }
+    return str(image_dir), write_json(tmp_path / "broken.json", dataset)
+
+
+def test_warnings_file_lists_each_problem_with_its_action(broken_split, tmp_path):
+    image_dir, annotations_file = broken_split
+    output_dir = str(tmp_path / "out")
+    summary = converter.convert_coco(image_dir, annotations_file, output_dir, num_shards=1, num_workers=1,
+                                     progress=False)
+    with open(os.path.join(output_dir, "broken_warnings.json")) as f:
+        report = json.load(f)
+    assert report["images"] == {
+        "1": {
+            "box_clipped": [2],
+            "box_outside_image": [3],
+            "non_positive_size": [4, 5],
+            "mask_outside_box": [6],
+            "polygon_too_few_points": [7, 8],
+            "unknown_category": [9],
+            "category_id_zero": [10],
+            "bad_segmentation": [11, 15],
+            "missing_segmentation": [13],
+            "empty_mask": [14],
+        },
+        "2": {"image_size_mismatch": "the file is 48x64 (height x width), the JSON says 40x40"},
+        "77": {"unknown_image": [16]},
+    }
+    assert report["actions"] == converter.WARNING_ACTIONS
+    assert "dropped" in report["actions"]["unknown_category"] and "kept" in report["actions"]["box_clipped"]
+    expected_counts = dict.fromkeys(converter.WARNING_ACTIONS, 0)
+    for kinds in report["images"].values():
+        for kind, value in kinds.items():
+            expected_counts[kind] += 1 if isinstance(value, str) else len(value)
+    assert report["counts"] == expected_counts and summary.warnings == sum(expected_counts.values()) == 15
+
+    records, _ = read_shards(output_dir, "broken")
+    kept = records[1]
+    # Kept: 1, 2 (clipped), 6 (box as given), 7 (its good polygon only), 12 (compressed RLE crowd).
+    np.testing.assert_array_equal(kept["image/object/class/label"], [1, 2, 1, 2, 2])
+    np.testing.assert_array_equal(kept["image/object/is_crowd"], [0, 0, 0, 0, 1])
+    np.testing.assert_allclose(kept["image/object/bbox/xmax"][:3], [20 / 64, 1.0, 8 / 64])
+    np.testing.assert_allclose(kept["image/object/bbox/ymax"][:3], [20 / 48, 1.0, 8 / 48])
+    expected_first = np.zeros((48, 64), np.uint8)
+    expected_first[10:20, 10:20] = 1
+    np.testing.assert_array_equal(decode_png(kept["image/object/mask"][3]), expected_first)
+    expected_crowd = np.zeros((48, 64), np.uint8)
+    expected_crowd[30:34, 40:45] = 1
+    np.testing.assert_array_equal(decode_png(kept["image/object/mask"][4]), expected_crowd)
+    resized = records[2]  # the file's size wins over the JSON's
+    assert (resized["image/height"], resized["image/width"]) == (48, 64)
+    np.testing.assert_allclose(resized["image/object/bbox/xmax"], [15 / 64])
+    assert summary.images_written == 2 and summary.instances == 6
+
+
+def test_missing_and_truncated_images_are_skipped_and_listed(tmp_path):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    write_jpeg(image_dir / "good.jpg", 32, 40)
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(image_dir / "full.jpg")
+    data = (image_dir / "full.jpg").read_bytes()
+    (image_dir / "truncated.jpg").write_bytes(data[: len(data) // 2])
+    (image_dir / "garbage.jpg").write_bytes(b"not an image at all")
+    names = ["good.jpg", "missing.jpg", "truncated.jpg", "garbage.jpg"]
+    dataset = {
+        "images": [{"id": i + 1, "file_name": name, "height": 32, "width": 40} for i, name in enumerate(names)],
+        "annotations": [{"id": i + 1, "image_id": i + 1, "category_id": 1, "bbox": [1, 1, 5, 5],
+                         "segmentation": [polygon_box(1, 1, 6, 6)]} for i in range(4)],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    annotations_file = write_json(tmp_path / "instances_val.json", dataset)
+    output_dir = str(tmp_path / "out")
+    summary = converter.convert_coco(str(image_dir), annotations_file, output_dir, num_shards=2, num_workers=1,
+                                     progress=False)
+    records, _ = read_shards(output_dir, "val")
+    assert sorted(records) == [1]
+    assert (summary.images_written, summary.images_skipped, summary.instances) == (1, 3, 1)
+    with open(summary.warnings_path) as f:
+        report = json.load(f)
+    assert set(report["images"]) == {"2", "3", "4"}
+    listed = report["images"]
+    assert listed["2"].keys() == {"missing_image"} and "missing.jpg" in listed["2"]["missing_image"]
+    assert listed["3"].keys() == {"unreadable_image"} and "truncated" in listed["3"]["unreadable_image"]
+    assert listed["4"].keys() == {"unreadable_image"}
+    assert report["counts"]["missing_image"] == 1 and report["counts"]["unreadable_image"] == 2
+
+
+VALID = {
+    "images": [{"id": 1, "file_name": "a.jpg", "height": 8, "width": 8}],
+    "annotations": [
+        {"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 1, 2, 2]},
+        {"id": 2, "image_id": 1, "category_id": 1, "bbox": [1, 1, 2, 2]},
+    ],
+    "categories": [{"id": 1, "name": "thing"}],
+}
+
+
+def without(path, key):
+    """VALID with `key` removed from the entry at `path` (a tuple of keys and indices)."""
+    dataset = copy.deepcopy(VALID)
+    entry = dataset
+    for step in path:
+        entry = entry[step]
+    del entry[key]
+    return dataset
+
+
+def replaced(path, key, value):
+    dataset = copy.deepcopy(VALID)
+    entry = dataset
+    for step in path:
+        entry = entry[step]
+    entry[key] = value
+    return dataset
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"images": [', ["invalid JSON"]),
+        ("[1, 2]", ["top level must be a JSON object"]),
+        (without((), "categories"), ["'categories'"]),
+        (without(("annotations", 1), "bbox"), ["annotations[1]", "'bbox'"]),
+        (without(("images", 0), "file_name"), ["images[0]", "'file_name'"]),
+        (without(("categories", 0), "name"), ["categories[0]", "'name'"]),
+        (replaced(("annotations", 0), "bbox", [1, 2, 3]), ["annotations[0]['bbox']", "4 finite numbers"]),
+        (replaced(("images", 0), "height", "8"), ["images[0]['height']", "positive integer"]),
+        (replaced(("annotations", 1), "iscrowd", 2), ["annotations[1]['iscrowd']", "0 or 1"]),
+        (replaced(("annotations", 1), "id", 1), ["annotations[1]['id']", "repeats annotations[0]"]),
+        (replaced((), "images", {}), ["'images' must be a list"]),
+    ],
+)
+def test_bad_annotation_file_stops_with_exit_2_and_writes_nothing(tmp_path, capsys, content, expected):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    write_jpeg(image_dir / "a.jpg", 8, 8)
+    annotations_file = tmp_path / "instances_train.json"
+    annotations_file.write_text(content if isinstance(content, str) else json.dumps(content))
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    argv = ["--image_dir", str(image_dir), "--annotations_file", str(annotations_file), "--output_dir",
+            str(output_dir), "--num_workers", "1"]
+    assert converter.main(argv) == converter.EXIT_BAD_INPUT == 2
+    message = capsys.readouterr().err
+    for part in [str(annotations_file)] + expected:
+        assert part in message
+    assert os.listdir(output_dir) == []
+
+
+def test_missing_image_dir_is_an_error(tmp_path):
+    annotations_file = write_json(tmp_path / "instances_val.json", VALID)
+    with pytest.raises(converter.BadInputError, match="image directory"):
+        converter.convert_coco(str(tmp_path / "nowhere"), annotations_file, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_worker_failure_leaves_no_shard_or_temporary(tmp_path, monkeypatch):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    write_jpeg(image_dir / "a.jpg", 8, 8)
+    dataset = copy.deepcopy(VALID)
+    dataset["images"].append({"id": 2, "file_name": "a.jpg", "height": 8, "width": 8})
+    annotations_file = write_json(tmp_path / "instances_val.json", dataset)
+    real = converter.convert_image
+
+    def failing_on_second(image, *args):
+        if image["id"] == 2:
+            raise RuntimeError("worker crashed")
+        return real(image, *args)
+
+    monkeypatch.setattr(converter, "convert_image", failing_on_second)
+    output_dir = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="worker crashed"):
+        converter.convert_coco(str(image_dir), annotations_file, str(output_dir), num_shards=2, num_workers=1,
+                               progress=False)
+    assert os.listdir(output_dir) == []
+
+
+def test_colour_modes_become_rgb_jpeg_of_the_same_size(tmp_path):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    height, width = 24, 40
+    gray = np.full((height, width), 100, np.uint8)
+    Image.fromarray(gray).save(image_dir / "gray.jpg")
+    cmyk = Image.new("CMYK", (width, height), (10, 200, 30, 0))
+    cmyk.save(image_dir / "cmyk.jpg")
+    rgba = np.zeros((height, width, 4), np.uint8)
+    rgba[:, : width // 2] = (200, 50, 20, 255)  # left half opaque, right half transparent
+    rgba[:, width // 2 :] = (255, 255, 255, 0)
+    Image.fromarray(rgba).save(image_dir / "rgba.png")
+    colours = np.array([(0, 0, 255), (255, 0, 0), (0, 255, 0), (255, 255, 0)], np.uint8)
+    indices = np.tile(np.arange(width, dtype=np.uint8) // 10, (height, 1))  # 10 px wide stripes of each colour
+    palette = Image.fromarray(indices).convert("P")
+    palette.putpalette(colours.ravel().tolist() + [0] * (256 - len(colours)) * 3)
+    palette.save(image_dir / "palette.png", transparency=3)  # the yellow stripe is transparent
+    write_jpeg(image_dir / "rgb.jpg", height, width)
+    names = ["gray.jpg", "cmyk.jpg", "rgba.png", "palette.png", "rgb.jpg"]
+    dataset = {
+        "images": [{"id": i + 1, "file_name": n, "height": height, "width": width} for i, n in enumerate(names)],
+        "annotations": [],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    annotations_file = write_json(tmp_path / "instances_val.json", dataset)
+    output_dir = str(tmp_path / "out")
+    converter.convert_coco(str(image_dir), annotations_file, output_dir, num_shards=1, num_workers=1,
+                           progress=False)
+    records, _ = read_shards(output_dir, "val")
+    decoded = {}
+    for image in dataset["images"]:
+        encoded = records[image["id"]]["image/encoded"]
+        with Image.open(io.BytesIO(encoded)) as pil:
+            assert (pil.format, pil.mode, pil.size) == ("JPEG", "RGB", (width, height)), image["file_name"]
+        pixels = tf.io.decode_jpeg(encoded, channels=0).numpy()  # channels=0: as many as the JPEG holds
+        assert pixels.shape == (height, width, 3)
+        decoded[image["file_name"]] = pixels.astype(np.int32)
+    tolerance = 6  # JPEG round trip of a flat colour
+    assert np.abs(decoded["gray.jpg"] - 100).max() <= tolerance
+    assert np.abs(decoded["cmyk.jpg"] - np.asarray(cmyk.convert("RGB"), np.int32)).max() <= tolerance
+    # Lossless sources: the RGB pixels they must become are known exactly, so must be the JPEG bytes.
+    flattened = np.zeros((height, width, 3), np.uint8)
+    flattened[:, : width // 2] = (200, 50, 20)  # transparent pixels become black
+    assert records[3]["image/encoded"] == encode_jpeg(Image.fromarray(flattened))
+    expected_palette = np.where(indices[..., None] == 3, 0, colours[indices]).astype(np.uint8)
+    assert records[4]["image/encoded"] == encode_jpeg(Image.fromarray(expected_palette))
+    assert records[5]["image/encoded"] == (image_dir / "rgb.jpg").read_bytes()
+
+
+def test_without_masks_and_skip_empty(tmp_path):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        write_jpeg(image_dir / name, 16, 16)
+    dataset = {
+        "images": [{"id": i, "file_name": n, "height": 16, "width": 16} for i, n in ((1, "a.jpg"), (2, "b.jpg"),
+                                                                                        (3, "c.jpg"))],
+        "annotations": [
+            {"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 1, 4, 4]},  # no segmentation: fine
+            {"id": 2, "image_id": 3, "category_id": 1, "bbox": [1, 1, 4, 4], "iscrowd": 1},  # a crowd only
+        ],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    annotations_file = write_json(tmp_path / "instances_train.json", dataset)
+    output_dir = str(tmp_path / "out")
+    argv = ["--image_dir", str(image_dir), "--annotations_file", annotations_file, "--output_dir", output_dir,
+            "--noinclude_masks", "--num_shards", "2", "--num_workers", "1"]
+    assert converter.main(argv) == 0
+    records, _ = read_shards(output_dir, "train", include_masks=False)
+    assert sorted(records) == [1, 2, 3]  # the empty image 2 is a negative
+    np.testing.assert_allclose(records[1]["image/object/area"], [16.0])  # no 'area', no mask: the box's
+    assert len(records[2]["image/object/class/label"]) == 0
+
+    summary = converter.convert_coco(str(image_dir), annotations_file, output_dir, tag="kept", num_shards=1,
+                                     include_masks=False, num_workers=1, skip_empty=True, progress=False)
+    records, _ = read_shards(output_dir, "kept", include_masks=False)
+    assert sorted(records) == [1]
+    assert (summary.images_written, summary.images_skipped, summary.images_empty_skipped) == (1, 0, 2)
+
+
+def test_flags_and_defaults():
+    parser = converter.build_parser()
+    required = ["--image_dir", "i", "--annotations_file", "a.json", "--output_dir", "o"]
+    assert parser.parse_args(required).include_masks is True
+    assert parser.parse_args(required + ["--include_masks"]).include_masks is True
+    assert parser.parse_args(required + ["--noinclude_masks"]).include_masks is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(required + ["--include_masks", "--noinclude_masks"])
+    assert converter.default_tag("/data/annotations/instances_val2017.json") == "val2017"
+    assert converter.default_tag("instances_train.json") == "train"
+    assert converter.default_tag("my_labels.json") == "my_labels"
+    assert converter.default_num_shards("train2017") == 256 and converter.default_num_shards("val2017") == 32
+
+
+def test_compressed_rle_counts_match_pycocotools(rng):
+    for _ in range(20):
+        mask = rng.random(tuple(rng.integers(1, 30, size=2))) < rng.uniform(0.1, 0.9)
+        counts = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))["counts"].decode("ascii")
+        assert converter.compressed_rle_counts(counts) == encode_uncompressed_rle(mask)["counts"]
+    assert converter.compressed_rle_counts("a") is None  # a value whose continuation bit runs off the end
+    assert converter.compressed_rle_counts("0 ") is None  # a character outside the code range
