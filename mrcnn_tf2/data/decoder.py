@@ -65,10 +65,16 @@ def decode_example(serialized, include_masks=True):
     }
     if include_masks:
         height, width = tf.shape(image)[0], tf.shape(image)[1]
-        masks = tf.map_fn(
-            lambda png: tf.io.decode_png(png, channels=1)[:, :, 0],
-            dense["image/object/mask"],
-            fn_output_signature=tf.TensorSpec([None, None], tf.uint8),
+        pngs = dense["image/object/mask"]
+        # map_fn cannot stack an empty list of unknown shape: images without objects take the other branch.
+        masks = tf.cond(
+            tf.size(pngs) > 0,
+            lambda: tf.map_fn(
+                lambda png: tf.io.decode_png(png, channels=1)[:, :, 0],
+                pngs,
+                fn_output_signature=tf.TensorSpec([None, None], tf.uint8),
+            ),
+            lambda: tf.zeros([0, height, width], tf.uint8),
         )
         decoded["gt_masks"] = tf.reshape(masks, [-1, height, width])
     return decoded

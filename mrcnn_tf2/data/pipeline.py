@@ -150,8 +150,13 @@ class InputPipeline:
         its own files; there must be at least `num_shards` files. Training repeats forever; evaluation
         reads each record once, in a fixed order, and keeps the last partial batch.
         """
-        files = tf.data.Dataset.list_files(file_pattern, shuffle=False)
-        files = files.shard(num_shards, shard_index)
+        paths = sorted(tf.io.gfile.glob(file_pattern))
+        if len(paths) < num_shards:
+            raise ValueError(
+                f"file pattern {file_pattern!r} matches {len(paths)} files; {num_shards} workers need at least "
+                f"one each (make TFRecords with dataset/create_coco_tf_record.py)"
+            )
+        files = tf.data.Dataset.from_tensor_slices(paths[shard_index::num_shards])
         if self.training:
             files = files.shuffle(4096, seed=self.seed, reshuffle_each_iteration=True).repeat()
         records = files.interleave(
@@ -200,9 +205,9 @@ class InputPipeline:
         parts = (image, boxes)
         if include_mask:
             parts += (crop_instance_masks(tf.boolean_mask(example["gt_masks"], keep), boxes, data.gt_mask_size),)
-        seed = self._stateless_seed(index)
+        flip_seed, anchor_seed = tf.unstack(tf.random.experimental.stateless_split(self._stateless_seed(index), 2))
         if data.augment_input_data:
-            flip = tf.random.stateless_uniform([], seed) < 0.5
+            flip = tf.random.stateless_uniform([], flip_seed) < 0.5
             parts = tf.cond(flip, lambda: flip_horizontally(*parts), lambda: parts)
         image, boxes = parts[:2]
         image, image_info, scale = resize_and_pad(image, data.image_size)
@@ -226,7 +231,7 @@ class InputPipeline:
                 negative_overlap=rpn.rpn_negative_overlap,
                 batch_size_per_im=rpn.rpn_batch_size_per_im,
                 fg_fraction=rpn.rpn_fg_fraction,
-                seed=seed + 1,
+                seed=anchor_seed,
             )
         )
         return features

@@ -184,7 +184,8 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
       negative_overlap: float, IoU below which an anchor is negative.
       batch_size_per_im: int, anchors sampled per image (positives + negatives).
       fg_fraction: float, largest fraction of positives in the sample.
-      seed: optional int, op-level seed of the random subsampling.
+      seed: optional [2] int32/int64 stateless seed of the random subsampling (the input pipeline derives
+        one per example so that a seeded run is reproducible under a parallel map); None draws afresh.
 
     Returns:
       dict with
@@ -219,7 +220,10 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 
     positive = tf.logical_or(max_iou >= positive_overlap, is_gt_best)
     negative = tf.logical_and(max_iou < negative_overlap, tf.logical_not(positive))
-    keys = tf.random.uniform(tf.shape(max_iou), seed=seed)
+    if seed is None:
+        keys = tf.random.uniform(tf.shape(max_iou))
+    else:
+        keys = tf.random.stateless_uniform(tf.shape(max_iou), seed)
     sampled_positive, positive_indices = _sample(positive, keys, int(batch_size_per_im * fg_fraction))
     num_negatives = batch_size_per_im - tf.shape(positive_indices)[0]
     sampled_negative, _ = _sample(negative, keys, batch_size_per_im, limit=num_negatives)

@@ -1,0 +1,204 @@
+"""The tf.data input pipeline on converter output: shapes, padding, image_info, flips, RPN targets, order."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dataset.create_coco_tf_record import convert_coco
+from dataset.make_shapes_dataset import make_shapes_dataset
+from mrcnn_tf2.config import Config
+from mrcnn_tf2.data.decoder import decode_example
+from mrcnn_tf2.data.pipeline import InputPipeline, crop_instance_masks, flip_horizontally, resize_and_pad
+
+IMAGE_SIZE = (128, 192)
+MAX_INSTANCES = 24
+MASK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """Shapes images converted to TFRecords: (train pattern, val pattern, train annotations, val annotations)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    make_shapes_dataset(str(root), num_train=6, num_val=5, seed=6, min_size=64, max_size=128)
+    out = root / "tfrecords"
+    for split, shards in (("train", 2), ("val", 1)):
+        convert_coco(str(root / split), str(root / "annotations" / f"instances_{split}.json"), str(out),
+                     tag=split, num_shards=shards, num_workers=1, progress=False)
+    annotations = {}
+    for split in ("train", "val"):
+        with open(root / "annotations" / f"instances_{split}.json") as f:
+            annotations[split] = json.load(f)
+    return str(out / "train-*.tfrecord"), str(out / "val-*.tfrecord"), annotations
+
+
+def make_config(augment=False, seed=7):
+    config = Config()
+    config.data.image_size = IMAGE_SIZE
+    config.data.max_num_instances = MAX_INSTANCES
+    config.data.gt_mask_size = MASK_SIZE
+    config.data.augment_input_data = augment
+    config.train.seed = seed
+    return config
+
+
+def originals(pattern):
+    """{source_id: decoded example as NumPy} for every record matching the pattern."""
+    result = {}
+    for path in sorted(tf.io.gfile.glob(pattern)):
+        for serialized in tf.data.TFRecordDataset(path):
+            example = {k: v.numpy() for k, v in decode_example(serialized).items()}
+            result[int(example["source_id"])] = example
+    return result
+
+
+def first_batches(pipeline, pattern, count, batch_size=2):
+    return [tf.nest.map_structure(lambda t: t.numpy(), b)
+            for b in pipeline.dataset(pattern, batch_size).take(count)]
+
+
+def test_training_batch_shapes_dtypes_and_padding(records):
+    train, _, annotations = records
+    (batch,) = first_batches(InputPipeline(make_config(), training=True), train, 1)
+    assert batch["images"].shape == (2, *IMAGE_SIZE, 3) and batch["images"].dtype == np.float32
+    assert batch["image_info"].shape == (2, 5)
+    assert batch["gt_boxes"].shape == (2, MAX_INSTANCES, 4)
+    assert batch["gt_classes"].shape == (2, MAX_INSTANCES) and batch["gt_classes"].dtype == np.int32
+    assert batch["gt_masks"].shape == (2, MAX_INSTANCES, MASK_SIZE, MASK_SIZE)
+    for level in range(2, 7):
+        grid = (IMAGE_SIZE[0] // 2**level, IMAGE_SIZE[1] // 2**level)
+        assert batch["rpn_score_targets"][level].shape == (2, *grid, 3)
+        assert batch["rpn_box_targets"][level].shape == (2, *grid, 12)
+    crowd = {a["id"] for a in annotations["train"]["annotations"] if a["iscrowd"]}
+    for i in range(2):
+        image_id = int(batch["source_ids"][i])
+        solid = [a for a in annotations["train"]["annotations"] if a["image_id"] == image_id and a["id"] not in crowd]
+        real = batch["gt_classes"][i] >= 1
+        # Crowd regions are dropped; real instances come first, padding after.
+        assert real.sum() == min(len(solid), MAX_INSTANCES)
+        assert not real[real.sum():].any()
+        assert sorted(batch["gt_classes"][i][real]) == sorted(a["category_id"] for a in solid)[:MAX_INSTANCES]
+        np.testing.assert_array_equal(batch["gt_boxes"][i][~real], -1.0)
+        np.testing.assert_array_equal(batch["gt_masks"][i][~real], -1.0)
+        assert ((batch["gt_masks"][i][real] >= 0) & (batch["gt_masks"][i][real] <= 1)).all()
+        # Padding of the image beyond the scaled size is zero.
+        scaled_h, scaled_w = batch["image_info"][i, :2].astype(int)
+        assert not batch["images"][i, scaled_h:].any() and not batch["images"][i, :, scaled_w:].any()
+        labels = np.concatenate([batch["rpn_score_targets"][lv][i].ravel() for lv in range(2, 7)])
+        positives = (labels == 1).sum()
+        # Every ground-truth box forces at least one positive; images without objects get none.
+        assert (0 < positives <= 128) == (real.sum() > 0) and (labels >= 0).sum() == 256
+
+
+def test_image_info_maps_boxes_back_to_the_original_image(records):
+    train, _, _ = records
+    source = originals(train)
+    (batch,) = first_batches(InputPipeline(make_config(augment=False), training=True), train, 1)
+    for i in range(2):
+        example = source[int(batch["source_ids"][i])]
+        scaled_h, scaled_w, inverse_scale, height, width = batch["image_info"][i]
+        assert (height, width) == example["image"].shape[:2]
+        scale = min(IMAGE_SIZE[0] / height, IMAGE_SIZE[1] / width)
+        assert inverse_scale == pytest.approx(1.0 / scale)
+        assert (scaled_h, scaled_w) == (round(height * scale), round(width * scale))
+        real = batch["gt_classes"][i] >= 1
+        expected = example["gt_boxes"][~example["gt_is_crowd"]][:MAX_INSTANCES]
+        np.testing.assert_allclose(batch["gt_boxes"][i][real] * inverse_scale, expected, atol=1e-3)
+
+
+def test_flip_moves_image_boxes_and_masks_together(records):
+    train, _, _ = records
+    plain = first_batches(InputPipeline(make_config(augment=False), training=True), train, 4)
+    augmented = first_batches(InputPipeline(make_config(augment=True), training=True), train, 4)
+    flipped_count = 0
+    for a, b in zip(plain, augmented):
+        np.testing.assert_array_equal(a["source_ids"], b["source_ids"])  # same seed, same order
+        for i in range(2):
+            scaled_w = int(a["image_info"][i, 1])
+            if np.array_equal(a["images"][i], b["images"][i]):
+                np.testing.assert_array_equal(a["gt_boxes"][i], b["gt_boxes"][i])
+                continue
+            flipped_count += 1
+            # Resizing then mirroring equals mirroring then resizing up to interpolation rounding.
+            np.testing.assert_allclose(b["images"][i, :, :scaled_w], a["images"][i, :, :scaled_w][:, ::-1], atol=1e-3)
+            real = a["gt_classes"][i] >= 1
+            ymin, xmin, ymax, xmax = a["gt_boxes"][i][real].T
+            width = a["image_info"][i, 4] / a["image_info"][i, 2]  # original width in scaled pixels
+            np.testing.assert_allclose(b["gt_boxes"][i][real], np.stack([ymin, width - xmax, ymax, width - xmin], 1),
+                                       atol=1e-3)
+            np.testing.assert_allclose(b["gt_masks"][i][real], a["gt_masks"][i][real][:, :, ::-1], atol=1e-5)
+    assert 0 < flipped_count < 8
+
+
+def test_seeded_training_is_reproducible(records):
+    train, _, _ = records
+    first = first_batches(InputPipeline(make_config(augment=True, seed=11), training=True), train, 2)
+    second = first_batches(InputPipeline(make_config(augment=True, seed=11), training=True), train, 2)
+    for a, b in zip(first, second):
+        tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+
+
+def test_eval_reads_every_record_once_in_order_keeping_the_last_partial_batch(records):
+    _, val, annotations = records
+    batches = first_batches(InputPipeline(make_config(), training=False), val, 10, batch_size=2)
+    assert [len(b["source_ids"]) for b in batches] == [2, 2, 1]
+    assert set(batches[0]) == {"images", "image_info", "source_ids"}
+    ids = [int(i) for b in batches for i in b["source_ids"]]
+    assert sorted(ids) == sorted(image["id"] for image in annotations["val"]["images"])
+
+
+def test_crop_instance_masks_samples_at_pixel_centres():
+    mask = np.zeros((1, 20, 30), np.uint8)
+    mask[0, 4:12, 6:22] = 1  # rows 4..11, cols 6..21: box [4, 6, 12, 22] in continuous pixels
+    crop = crop_instance_masks(tf.constant(mask), tf.constant([[4.0, 6.0, 12.0, 22.0]]), 8).numpy()
+    np.testing.assert_allclose(crop, 1.0)
+    # A box twice as wide to the right: cell centres at x = 6 + (j + 0.5) * 4; pixel centres at x + 0.5.
+    crop = crop_instance_masks(tf.constant(mask), tf.constant([[4.0, 6.0, 12.0, 38.0]]), 8).numpy()[0]
+    xs = 6 + (np.arange(8) + 0.5) * 4 - 0.5  # in index units
+    expected = np.clip(np.interp(xs, np.arange(30), mask[0, 8]), 0, 1)
+    expected[xs > 29] = 0.0  # beyond the last pixel: extrapolation value
+    np.testing.assert_allclose(crop[3], expected, atol=1e-6)
+
+
+def test_flip_horizontally_is_consistent_with_cropping(rng):
+    mask = (rng.random((2, 24, 40)) > 0.5).astype(np.uint8)
+    boxes = tf.constant([[2.0, 3.0, 20.0, 17.0], [0.0, 10.0, 24.0, 40.0]])
+    image = tf.zeros([24, 40, 3], tf.uint8)
+    crops = crop_instance_masks(tf.constant(mask), boxes, 10)
+    _, flipped_boxes, flipped_crops = flip_horizontally(image, boxes, crops)
+    np.testing.assert_allclose(flipped_boxes.numpy(), [[2.0, 23.0, 20.0, 37.0], [0.0, 0.0, 24.0, 30.0]])
+    recropped = crop_instance_masks(tf.constant(mask[:, :, ::-1].copy()), flipped_boxes, 10)
+    np.testing.assert_allclose(flipped_crops.numpy(), recropped.numpy(), atol=1e-5)
+
+
+def test_resize_and_pad_keeps_aspect_and_normalises():
+    image = tf.fill([100, 50, 3], tf.constant(200, tf.uint8))
+    padded, info, scale = resize_and_pad(image, IMAGE_SIZE)
+    assert float(scale) == pytest.approx(1.28)
+    np.testing.assert_allclose(info.numpy(), [128, 64, 1 / 1.28, 100, 50], rtol=1e-6)
+    np.testing.assert_allclose(padded[:, :64].numpy(), np.broadcast_to((200 - np.array([123.675, 116.28, 103.53]))
+                                                                        / np.array([58.395, 57.12, 57.375]),
+                                                                        (128, 64, 3)), rtol=1e-5)
+    assert not padded[:, 64:].numpy().any()
+
+
+def test_missing_files_name_the_pattern(tmp_path):
+    pattern = os.path.join(str(tmp_path), "train-*.tfrecord")
+    with pytest.raises(ValueError, match="train-"):
+        InputPipeline(make_config(), training=True).dataset(pattern, 2)
+
+
+def test_images_without_objects_decode_and_train_as_negatives(records):
+    train, _, annotations = records
+    empty = [example for example in originals(train).values() if len(example["gt_classes"]) == 0]
+    assert empty, "the generated split should hold an image without objects"
+    assert empty[0]["gt_masks"].shape == (0, *empty[0]["image"].shape[:2])
+    pipeline = InputPipeline(make_config(), training=True)
+    example = pipeline.preprocess_train(tf.constant(0, tf.int64), next(
+        s for path in sorted(tf.io.gfile.glob(train)) for s in tf.data.TFRecordDataset(path)
+        if int(decode_example(s)["source_id"]) == int(empty[0]["source_id"])))
+    assert (example["gt_classes"].numpy() == -1).all()
+    labels = np.concatenate([t.numpy().ravel() for t in example["rpn_score_targets"].values()])
+    assert (labels == 1).sum() == 0 and (labels == 0).sum() == 256
