@@ -57,6 +57,11 @@ _FLAGS = {
         dict(action="store_true", help="mixed precision: float16 on GPU, bfloat16 on CPU"),
     ),
     "log_file": ("runtime.log_file", dict(help="JSON-lines log (None: <model_dir>/log.jsonl)")),
+    "checkpoint_every": (
+        "runtime.checkpoint_every",
+        dict(type=int, help="steps between checkpoints (also written at each epoch end)"),
+    ),
+    "keep_checkpoints": ("runtime.keep_checkpoints", dict(type=int, help="checkpoints kept in model_dir")),
     "log_every": ("runtime.log_every", dict(type=int, help="steps between log lines")),
     "log_warmup_steps": (
         "runtime.log_warmup_steps",

@@ -218,6 +218,10 @@ class RuntimeConfig:
     # Directory for TensorBoard summaries; None writes none.
     log_tensorboard: Optional[str] = None
     verbose: bool = False
+    # Steps between checkpoints (one is also written at each epoch end and when training ends).
+    checkpoint_every: int = 1000
+    # Checkpoints kept in model_dir; older ones are deleted.
+    keep_checkpoints: int = 5
     # Measure throughput for benchmark_steps steps after log_warmup_steps, then stop.
     benchmark: bool = False
     benchmark_steps: int = 100
@@ -293,6 +297,8 @@ class Config:
             ("--epochs", self.train.epochs),
             ("--log_every", self.runtime.log_every),
             ("--benchmark_steps", self.runtime.benchmark_steps),
+            ("--checkpoint_every", self.runtime.checkpoint_every),
+            ("--keep_checkpoints", self.runtime.keep_checkpoints),
         ):
             if count < 1:
                 raise ConfigError(key, f"{count} must be >= 1")

@@ -13,3 +13,28 @@ import pytest  # noqa: E402
 def rng():
     """A seeded NumPy generator, so that every random test input is reproducible."""
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def shapes_records(tmp_path_factory):
+    """Generated shapes images as TFRecords: dict with data_dir (train-*/val-* shards) and COCO annotations.
+
+    Seed 6 gives train images without objects and a crowd region, which the pipeline tests need.
+    """
+    import json
+
+    from dataset.create_coco_tf_record import convert_coco
+    from dataset.make_shapes_dataset import make_shapes_dataset
+
+    root = tmp_path_factory.mktemp("shapes_records")
+    make_shapes_dataset(str(root), num_train=6, num_val=5, seed=6, min_size=64, max_size=128)
+    out = root / "tfrecords"
+    annotations = {}
+    for split, shards in (("train", 2), ("val", 1)):
+        annotations_file = root / "annotations" / f"instances_{split}.json"
+        convert_coco(str(root / split), str(annotations_file), str(out), tag=split, num_shards=shards,
+                     num_workers=1, progress=False)
+        with open(annotations_file) as f:
+            annotations[split] = json.load(f)
+    return {"data_dir": str(out), "train": str(out / "train-*.tfrecord"), "val": str(out / "val-*.tfrecord"),
+            "annotations": annotations, "val_json": str(root / "annotations" / "instances_val.json")}

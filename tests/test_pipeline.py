@@ -1,14 +1,11 @@
 """The tf.data input pipeline on converter output: shapes, padding, image_info, flips, RPN targets, order."""
 
-import json
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from dataset.create_coco_tf_record import convert_coco
-from dataset.make_shapes_dataset import make_shapes_dataset
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import InputPipeline, crop_instance_masks, flip_horizontally, resize_and_pad
@@ -19,19 +16,9 @@ MASK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    """Shapes images converted to TFRecords: (train pattern, val pattern, train annotations, val annotations)."""
-    root = tmp_path_factory.mktemp("pipeline")
-    make_shapes_dataset(str(root), num_train=6, num_val=5, seed=6, min_size=64, max_size=128)
-    out = root / "tfrecords"
-    for split, shards in (("train", 2), ("val", 1)):
-        convert_coco(str(root / split), str(root / "annotations" / f"instances_{split}.json"), str(out),
-                     tag=split, num_shards=shards, num_workers=1, progress=False)
-    annotations = {}
-    for split in ("train", "val"):
-        with open(root / "annotations" / f"instances_{split}.json") as f:
-            annotations[split] = json.load(f)
-    return str(out / "train-*.tfrecord"), str(out / "val-*.tfrecord"), annotations
+def records(shapes_records):
+    """(train pattern, val pattern, {split: COCO annotations})."""
+    return shapes_records["train"], shapes_records["val"], shapes_records["annotations"]
 
 
 def make_config(augment=False, seed=7):

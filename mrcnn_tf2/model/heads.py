@@ -8,8 +8,8 @@ float32 even under a mixed precision policy: the losses, proposal decoding and N
 bfloat16 deltas would lose the precision box decoding needs. The hidden layers follow the global policy.
 
 Initialisers follow Detectron: RPN convs normal(0.01), class logits normal(0.01), box deltas
-normal(0.001), all with zero bias; FC layers Caffe2 XavierFill (uniform, variance 1 / fan_in); mask convs
-He normal with fan_out.
+normal(0.001), mask logits normal(0.001) (Detectron2), all with zero bias; FC layers Caffe2 XavierFill
+(uniform, variance 1 / fan_in); the other mask convs He normal with fan_out.
 
 This module must not decode boxes, select RoIs or compute losses.
 """
@@ -25,6 +25,7 @@ from mrcnn_tf2.model.fpn import xavier_fill
 RPN_INIT_STDDEV = 0.01
 CLASS_INIT_STDDEV = 0.01
 BOX_INIT_STDDEV = 0.001
+MASK_LOGITS_INIT_STDDEV = 0.001
 BOX_CODE_SIZE = 4  # (dy, dx, dh, dw)
 
 
@@ -170,7 +171,10 @@ class MaskHead(keras.layers.Layer):
         self.deconv = keras.layers.Conv2DTranspose(
             num_filters, 2, strides=2, activation="relu", name="mask_deconv", **init
         )
-        self.logits = keras.layers.Conv2D(num_classes, 1, dtype="float32", name="mask_logits", **init)
+        # Small logits at the start (mask loss ~ log 2), whatever the number of classes: He init with
+        # fan_out = K would give logits of std ~ sqrt(2 / K) times the activations.
+        self.logits = keras.layers.Conv2D(num_classes, 1, dtype="float32", name="mask_logits",
+                                          kernel_initializer=_normal(MASK_LOGITS_INIT_STDDEV), bias_initializer="zeros")
 
     def build(self, input_shape):
         if len(input_shape) != 5:

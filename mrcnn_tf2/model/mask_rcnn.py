@@ -1,0 +1,184 @@
+"""The Keras Mask R-CNN: wires backbone, FPN, heads and the non-learned stages; computes the losses.
+
+The model builds nothing itself: `mrcnn_tf2.model.factory.build_model(config)` makes the parts and passes
+them in. It must not read the config, nor hold op details (those live in `mrcnn_tf2.ops`).
+"""
+
+import keras
+import tensorflow as tf
+
+from mrcnn_tf2.model import losses as loss_fns
+from mrcnn_tf2.model.heads import select_class_masks
+
+# RoIs are pooled from P2..P5 (Mask R-CNN's level rule never reaches P6, which only feeds the RPN).
+ROI_MAX_LEVEL = 5
+
+
+class MaskRCNN(keras.Model):
+    """Mask R-CNN with a ResNet-FPN backbone.
+
+    Inputs: a dict of batched tensors as `mrcnn_tf2.data.pipeline.InputPipeline` makes them:
+      images [B, H, W, 3] float32 (ImageNet-normalised, padded bottom/right to the model's image size),
+      image_info [B, 5] float32 [scaled_h, scaled_w, 1 / scale, original_h, original_w];
+      for training also gt_boxes [B, M, 4] (pixels of the padded input, [ymin, xmin, ymax, xmax], -1 padded),
+      gt_classes [B, M] int32 (-1 padded), gt_masks [B, M, S, S] float32 (each instance's mask cropped to
+      its box), rpn_score_targets {level: [B, H_l, W_l, A]} int32, rpn_box_targets {level: [B, H_l, W_l, 4A]}.
+
+    Training (`call(inputs, training=True)`, `train_step`): the raw head outputs and the sampled targets;
+    `compute_losses` turns them into the loss dict (loss_rpn_score, loss_rpn_box, loss_fast_rcnn_class,
+    loss_fast_rcnn_box, loss_mask, loss_l2, loss_total), all float32 scalars.
+
+    Inference (`call(inputs)`, `predict_step`): detection_boxes [B, D, 4] float32 in original-image pixels,
+    detection_scores [B, D] float32 in [0, 1], detection_classes [B, D] int32 (1..num_classes-1, 0 in
+    empty slots), detection_masks [B, D, R, R] float32 mask probabilities inside each box (with the mask
+    branch), num_detections [B] int32; predict_step adds image_info and source_ids.
+
+    Example:
+      model = build_model(config)                                      # mrcnn_tf2.model.factory
+      model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+      model.fit(InputPipeline(config, training=True).dataset(pattern, 2), steps_per_epoch=10)
+      detections = model.predict_on_batch(eval_batch)
+    """
+
+    def __init__(self, backbone, fpn, rpn_head, box_head, mask_head, proposal_generator, roi_sampler,
+                 box_roi_aligner, mask_roi_aligner, mask_target_generator, detection_generator, anchors,
+                 loss_weights, l2_weight_decay, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.fpn = fpn
+        self.rpn_head = rpn_head
+        self.box_head = box_head
+        self.mask_head = mask_head  # None: Faster R-CNN
+        self.proposal_generator = proposal_generator
+        self.roi_sampler = roi_sampler
+        self.box_roi_aligner = box_roi_aligner
+        self.mask_roi_aligner = mask_roi_aligner
+        self.mask_target_generator = mask_target_generator
+        self.detection_generator = detection_generator
+        # {level: [M_l, 4]} anchor boxes of the fixed input size, in the RPN head's output order.
+        self._anchors = {level: tf.constant(boxes, tf.float32) for level, boxes in anchors.items()}
+        self.loss_weights = dict(loss_weights)
+        self.l2_weight_decay = l2_weight_decay
+
+    def _features(self, images, training):
+        """[B, H, W, 3] -> FPN features {level: [B, H/2**level, W/2**level, C]}."""
+        return self.fpn(self.backbone(images, training=training), training=training)
+
+    def call(self, inputs, training=False):
+        """Training: head outputs and targets (see `forward_train`); inference: detections."""
+        if training:
+            return self.forward_train(inputs, training=True)
+        return self.detect(inputs)
+
+    def forward_train(self, inputs, training):
+        """The loss branch: RPN outputs, sampled RoIs with their targets, box and mask head outputs.
+
+        `training` sets the layers' mode only (test_step runs this branch with layers in inference mode).
+        Returns a dict of [B, ...] tensors that `compute_losses` consumes.
+        """
+        image_hw = inputs["image_info"][:, :2]
+        features = self._features(inputs["images"], training)
+        outputs = self.rpn_head(features, training=training)
+        # Proposals and sampled RoIs are treated as constants: no gradient flows into box coordinates.
+        proposals = self.proposal_generator(
+            _stop_gradient(outputs["rpn_scores"]), _stop_gradient(outputs["rpn_boxes"]), self._anchors, image_hw,
+            training=True,
+        )
+        sample = self.roi_sampler(tf.stop_gradient(proposals["rois"]), inputs["gt_boxes"], inputs["gt_classes"])
+        roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
+        outputs.update(self.box_head(self.box_roi_aligner(roi_maps, sample["rois"]), training=training))
+        outputs.update(sample)
+        if self.mask_head is not None:
+            outputs.update(self._mask_branch_train(inputs, roi_maps, sample, training))
+        return outputs
+
+    def _mask_branch_train(self, inputs, roi_maps, sample, training):
+        """Mask logits and targets for the foreground RoIs, gathered into F = max_foreground slots."""
+        is_foreground = sample["is_foreground"]
+        num_slots = tf.shape(is_foreground)[1]
+        # Foreground slots first, in sampler order: [B, S] -> [B, F] slot indices.
+        rank = tf.cast(is_foreground, tf.int32) * (num_slots - tf.range(num_slots))[None, :]
+        slots = tf.math.top_k(rank, k=self.roi_sampler.max_foreground, sorted=True).indices
+        fg_rois = tf.gather(sample["rois"], slots, batch_dims=1)
+        fg_classes = tf.gather(sample["class_targets"], slots, batch_dims=1)
+        fg_gt = tf.gather(sample["matched_gt_indices"], slots, batch_dims=1)
+        mask_logits = self.mask_head(self.mask_roi_aligner(roi_maps, fg_rois), training=training)
+        return {
+            "mask_logits": select_class_masks(mask_logits, fg_classes),
+            "mask_targets": self.mask_target_generator(
+                fg_rois,
+                tf.gather(inputs["gt_boxes"], fg_gt, batch_dims=1),
+                tf.gather(inputs["gt_masks"], fg_gt, batch_dims=1),
+            ),
+            "mask_valid": tf.gather(is_foreground, slots, batch_dims=1),
+        }
+
+    def compute_losses(self, inputs, outputs):
+        """{loss name: float32 scalar} from `forward_train`'s outputs and the input targets.
+
+        Terms are weighted as configured; loss_total is their sum, the L2 term included.
+        """
+        weights = self.loss_weights
+        losses = loss_fns.rpn_losses(
+            outputs["rpn_scores"], outputs["rpn_boxes"], inputs["rpn_score_targets"], inputs["rpn_box_targets"]
+        )
+        losses["loss_rpn_box"] *= weights["rpn_box"]
+        losses.update(
+            loss_fns.fast_rcnn_losses(
+                outputs["class_logits"], outputs["box_deltas"], outputs["class_targets"], outputs["box_targets"],
+                outputs["is_valid"],
+            )
+        )
+        losses["loss_fast_rcnn_box"] *= weights["fast_rcnn_box"]
+        if self.mask_head is not None:
+            losses.update(loss_fns.mask_loss(outputs["mask_logits"], outputs["mask_targets"], outputs["mask_valid"]))
+            losses["loss_mask"] *= weights["mask"]
+        losses.update(loss_fns.l2_loss(self.trainable_variables, self.l2_weight_decay))
+        losses["loss_total"] = tf.add_n(list(losses.values()))
+        return losses
+
+    def detect(self, inputs):
+        """Inference: detections in original-image pixels (see the class docstring)."""
+        image_info = inputs["image_info"]
+        image_hw = image_info[:, :2]
+        features = self._features(inputs["images"], training=False)
+        rpn = self.rpn_head(features, training=False)
+        proposals = self.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"], self._anchors, image_hw, training=False)
+        roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
+        heads = self.box_head(self.box_roi_aligner(roi_maps, proposals["rois"]), training=False)
+        detections = self.detection_generator(heads["class_logits"], heads["box_deltas"], proposals["rois"], image_hw)
+        boxes = detections["detection_boxes"]  # pixels of the padded input
+        if self.mask_head is not None:
+            mask_logits = self.mask_head(self.mask_roi_aligner(roi_maps, boxes), training=False)
+            class_logits = select_class_masks(mask_logits, detections["detection_classes"])
+            detections["detection_masks"] = tf.sigmoid(tf.cast(class_logits, tf.float32))
+        detections["detection_boxes"] = boxes * image_info[:, 2, None, None]
+        return detections
+
+    def compute_gradients(self, data, loss_multiplier=1.0):
+        """(losses, gradients of loss_total * loss_multiplier w.r.t. trainable_variables).
+
+        The gradients are of the optimizer-scaled loss (the identity unless the optimizer is a
+        LossScaleOptimizer, under mixed_float16); its apply_gradients unscales them.
+        """
+        with tf.GradientTape() as tape:
+            losses = self.compute_losses(data, self.forward_train(data, training=True))
+            scaled = self.optimizer.scale_loss(losses["loss_total"] * loss_multiplier)
+        return losses, tape.gradient(scaled, self.trainable_variables)
+
+    def train_step(self, data):
+        losses, gradients = self.compute_gradients(data)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return losses
+
+    def test_step(self, data):
+        return self.compute_losses(data, self.forward_train(data, training=False))
+
+    def predict_step(self, data):
+        detections = self.detect(data)
+        detections.update({key: data[key] for key in ("image_info", "source_ids") if key in data})
+        return detections
+
+
+def _stop_gradient(tensors):
+    return {level: tf.stop_gradient(t) for level, t in tensors.items()}

@@ -1,0 +1,75 @@
+"""The non-learned stages of Mask R-CNN: objects that bind an op to its parameters.
+
+The model receives these as parts, like its layers, so that `call` reads as the pipeline and the factory
+alone maps config to parameters. They hold no weights and must not read the config.
+
+Glossary: B batch, P proposals, S sampled RoIs, F foreground RoI slots, D detections, K classes.
+"""
+
+from mrcnn_tf2.ops import masks, postprocess, roi_align, roi_ops, sampling
+
+
+class ProposalGenerator:
+    """RPN outputs -> proposals, with separate train and test budgets (`multilevel_propose_rois`)."""
+
+    def __init__(self, train_pre_nms_topn, train_post_nms_topn, train_nms_threshold,
+                 test_pre_nms_topn, test_post_nms_topn, test_nms_threshold, min_size):
+        self.train = dict(pre_nms_topn=train_pre_nms_topn, post_nms_topn=train_post_nms_topn,
+                          nms_threshold=train_nms_threshold, min_size=min_size)
+        self.test = dict(pre_nms_topn=test_pre_nms_topn, post_nms_topn=test_post_nms_topn,
+                         nms_threshold=test_nms_threshold, min_size=min_size)
+
+    def __call__(self, rpn_scores, rpn_boxes, anchors, image_hw, training):
+        """{level: [B,H,W,A]}, {level: [B,H,W,4A]}, {level: [M_l,4]}, [B,2] -> {'rois' [B,P,4], 'roi_scores'}."""
+        params = self.train if training else self.test
+        return roi_ops.multilevel_propose_rois(rpn_scores, rpn_boxes, anchors, image_hw, **params)
+
+
+class RoISampler:
+    """Proposals + ground truth -> the RoIs the heads train on, with their targets (`sample_rois`)."""
+
+    def __init__(self, batch_size_per_im, fg_fraction, fg_thresh, bg_thresh_hi, bg_thresh_lo, bbox_reg_weights):
+        self.params = dict(batch_size_per_im=batch_size_per_im, fg_fraction=fg_fraction, fg_thresh=fg_thresh,
+                           bg_thresh_hi=bg_thresh_hi, bg_thresh_lo=bg_thresh_lo,
+                           bbox_reg_weights=bbox_reg_weights)
+        # Foreground slots the mask branch trains on: the most the sampler can return.
+        self.max_foreground = int(round(batch_size_per_im * fg_fraction))
+
+    def __call__(self, proposals, gt_boxes, gt_classes):
+        """[B,P,4], [B,K,4], [B,K] -> sample_rois' dict of [B,S,...] tensors."""
+        return sampling.sample_rois(proposals, gt_boxes, gt_classes, **self.params)
+
+
+class RoIAligner:
+    """Multilevel RoIAlign at a fixed output size (`multilevel_roi_align`)."""
+
+    def __init__(self, output_size, sampling_ratio=2):
+        self.output_size = output_size
+        self.sampling_ratio = sampling_ratio
+
+    def __call__(self, features, boxes):
+        """{level: [B,H_l,W_l,C]}, [B,N,4] -> [B,N,output_size,output_size,C]."""
+        return roi_align.multilevel_roi_align(features, boxes, self.output_size, self.sampling_ratio)
+
+
+class MaskTargetGenerator:
+    """GT mask crops of matched instances -> per-RoI mask targets (`mask_targets`)."""
+
+    def __init__(self, output_size):
+        self.output_size = output_size
+
+    def __call__(self, rois, matched_gt_boxes, matched_gt_masks):
+        """[B,F,4], [B,F,4], [B,F,M,M] -> [B,F,R,R] float32 in {0, 1}."""
+        return masks.mask_targets(rois, matched_gt_boxes, matched_gt_masks, self.output_size)
+
+
+class DetectionGenerator:
+    """Box head outputs -> final detections per image (`generate_detections`)."""
+
+    def __init__(self, max_detections, nms_threshold, bbox_reg_weights):
+        self.params = dict(max_detections=max_detections, nms_threshold=nms_threshold,
+                           bbox_reg_weights=bbox_reg_weights)
+
+    def __call__(self, class_logits, box_deltas, rois, image_hw):
+        """[B,N,K], [B,N,K,4], [B,N,4], [B,2] -> dict of detection_* [B,D,...] and num_detections [B]."""
+        return postprocess.generate_detections(class_logits, box_deltas, rois, image_hw, **self.params)

@@ -1,0 +1,173 @@
+"""Instance masks: training targets per RoI (TensorFlow) and pasting predictions into images (NumPy).
+
+Box format: ``[ymin, xmin, ymax, xmax]`` float32 pixels with continuous coordinates (width = xmax - xmin);
+padded boxes are all -1.
+
+Pixel-centre convention, shared by every mask here (and by ``data.pipeline.crop_instance_masks``): an
+``M x M`` mask attached to a box holds, at cell ``(i, j)``, the value at image point
+``(ymin + (i + 0.5) * h / M, xmin + (j + 0.5) * w / M)``. Image pixel ``(py, px)`` has its centre at
+``(py + 0.5, px + 0.5)``. Resampling a box's mask is bilinear between cell centres, constant (the edge
+cell's value) between the outermost cell centres and the box edges, and 0 outside the box. A point is
+inside a box when ``ymin <= y < ymax`` and ``xmin <= x < xmax`` (half-open, so that a box covering
+``[0, h] x [0, w]`` covers every pixel exactly once).
+
+Glossary: B batch, F RoI slots, M crop side, R output side, D detections.
+"""
+import numpy as np
+import tensorflow as tf
+
+from mrcnn_tf2.ops import box_ops
+
+# Floor on box extents when dividing by them, so that empty boxes (which contain no point) stay finite.
+_MIN_EXTENT = 1e-6
+
+
+def _grid_in_crop(roi_start, roi_length, gt_start, gt_length, crop_size, output_size):
+    """First and last RoI grid points along one axis, in crop_and_resize's normalised coordinates.
+
+    The crop is edge-padded by one cell on each side, so its index coordinate ``u`` (cell ``k`` of the
+    padded crop centred at ``u = k``) relates to an image coordinate ``y`` by
+    ``u = (y - gt_start) * M / gt_length + 0.5``. crop_and_resize puts sample ``r`` of ``R`` at
+    ``u = y1 * (M + 1) + r * (y2 - y1) * (M + 1) / (R - 1)``, i.e. its box corners are the *first and
+    last sample centres*; so y1, y2 are the padded-crop coordinates of the RoI's first and last grid
+    points ``roi_start + 0.5 * roi_length / R`` and ``roi_start + roi_length - 0.5 * roi_length / R``,
+    divided by M + 1. (For R = 1 crop_and_resize samples the midpoint, which is then the RoI centre.)
+
+    Args:
+      roi_start, roi_length, gt_start, gt_length: [N] float32.
+      crop_size: int M; output_size: int R.
+
+    Returns:
+      (first, last): [N] float32 normalised coordinates.
+    """
+    half_cell = 0.5 * roi_length / output_size
+    cells_per_pixel = crop_size / tf.maximum(gt_length, _MIN_EXTENT)
+
+    def to_crop(y):
+        return ((y - gt_start) * cells_per_pixel + 0.5) / (crop_size + 1.0)
+
+    return to_crop(roi_start + half_cell), to_crop(roi_start + roi_length - half_cell)
+
+
+def _grid_inside(roi_start, roi_length, gt_start, gt_end, output_size):
+    """[N, R] bool: whether each RoI grid point along one axis lies in [gt_start, gt_end)."""
+    steps = (tf.range(output_size, dtype=tf.float32) + 0.5) / output_size
+    points = roi_start[:, None] + steps * roi_length[:, None]
+    return tf.logical_and(points >= gt_start[:, None], points < gt_end[:, None])
+
+
+def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
+    """Binary mask target of each RoI, resampled from its matched GT instance's box-aligned crop.
+
+    Args:
+      rois: [B, F, 4] float32 RoIs [ymin, xmin, ymax, xmax] in pixels; padded rows all -1.
+      gt_boxes: [B, F, 4] float32 the GT box matched to each RoI; padded rows all -1.
+      gt_mask_crops: [B, F, M, M] float (any float dtype) the matched instance's mask cropped to its GT
+        box, pixel-centre convention (module docstring); M >= 1.
+      output_size: int R.
+
+    Returns:
+      [B, F, R, R] float32 in {0, 1}: 1 where the bilinearly resampled mask at the RoI's grid point
+      ``(roi_ymin + (i + 0.5) * roi_h / R, roi_xmin + (j + 0.5) * roi_w / R)`` is >= 0.5 and that point is
+      inside the GT box. All zeros (no NaN) for padded RoIs, padded GT boxes and GT boxes with zero
+      height or width.
+    """
+    if not isinstance(output_size, int) or output_size < 1:
+        raise ValueError(f"output_size must be a positive int, got {output_size!r}.")
+    rois = tf.convert_to_tensor(rois, dtype=tf.float32)
+    gt_boxes = tf.convert_to_tensor(gt_boxes, dtype=tf.float32)
+    gt_mask_crops = tf.cast(tf.convert_to_tensor(gt_mask_crops), tf.float32)
+    box_ops.check_last_dim(rois, 4, "rois")
+    box_ops.check_last_dim(gt_boxes, 4, "gt_boxes")
+    if rois.shape.rank != 3 or gt_boxes.shape.rank != 3:
+        raise ValueError(f"rois and gt_boxes must be [B, F, 4], got {rois.shape} and {gt_boxes.shape}.")
+    crop_shape = gt_mask_crops.shape
+    if crop_shape.rank != 4 or crop_shape[2] is None or crop_shape[2] != crop_shape[3]:
+        raise ValueError(f"gt_mask_crops must be [B, F, M, M] with a static M, got shape {crop_shape}.")
+    crop_size = crop_shape[2]
+
+    batch, num_rois = tf.shape(rois)[0], tf.shape(rois)[1]
+    flat_rois = tf.reshape(rois, [-1, 4])
+    flat_gt = tf.reshape(gt_boxes, [-1, 4])
+    r_ymin, r_xmin, r_ymax, r_xmax = tf.unstack(flat_rois, axis=1)
+    g_ymin, g_xmin, g_ymax, g_xmax = tf.unstack(flat_gt, axis=1)
+    y1, y2 = _grid_in_crop(r_ymin, r_ymax - r_ymin, g_ymin, g_ymax - g_ymin, crop_size, output_size)
+    x1, x2 = _grid_in_crop(r_xmin, r_xmax - r_xmin, g_xmin, g_xmax - g_xmin, crop_size, output_size)
+
+    # Edge padding makes bilinear sampling constant between the outermost cell centres and the box edges.
+    crops = tf.reshape(gt_mask_crops, [-1, crop_size, crop_size])
+    crops = tf.pad(crops, [[0, 0], [1, 1], [1, 1]], mode="SYMMETRIC")
+    sampled = tf.image.crop_and_resize(
+        crops[..., None], tf.stack([y1, x1, y2, x2], axis=1), tf.range(tf.shape(crops)[0]),
+        [output_size, output_size], method="bilinear", extrapolation_value=0.0)[..., 0]
+
+    inside = tf.logical_and(
+        _grid_inside(r_ymin, r_ymax - r_ymin, g_ymin, g_ymax, output_size)[:, :, None],
+        _grid_inside(r_xmin, r_xmax - r_xmin, g_xmin, g_xmax, output_size)[:, None, :])
+    # Padded and empty GT boxes contain no point of the half-open test; a padded RoI's grid collapses
+    # onto (-1, -1), which a GT box may contain, so it is masked explicitly.
+    valid = tf.logical_not(box_ops.is_padding(flat_rois))
+    keep = tf.logical_and(tf.logical_and(sampled >= 0.5, inside), valid[:, None, None])
+    return tf.reshape(tf.cast(keep, tf.float32), [batch, num_rois, output_size, output_size])
+
+
+def _axis_weights(start, end, mask_size, num_pixels):
+    """Pixels of one axis whose centres lie in [start, end), as a bilinear interpolation matrix.
+
+    Returns:
+      (first, weights): index of the first covered pixel (int) and [n, mask_size] float32 weights whose
+      row k interpolates the mask for pixel first + k; n (possibly 0) is the number of covered pixels.
+    """
+    # Pixel p is covered when start <= p + 0.5 < end.
+    first = min(max(int(np.ceil(start - 0.5)), 0), num_pixels)
+    stop = min(max(int(np.ceil(end - 0.5)), first), num_pixels)
+    centres = np.arange(first, stop, dtype=np.float32) + 0.5
+    coords = (centres - start) * (mask_size / max(end - start, _MIN_EXTENT)) - 0.5
+    coords = np.clip(coords, 0.0, mask_size - 1.0)[:, None]
+    low = np.floor(coords)
+    high = np.minimum(low + 1.0, mask_size - 1.0)
+    cells = np.arange(mask_size, dtype=np.float32)
+    weights = (cells == low) * (1.0 - (coords - low)) + (cells == high) * (coords - low)
+    return first, weights.astype(np.float32)
+
+
+def paste_masks(masks, boxes, image_hw, threshold=None):
+    """Paste box-aligned mask predictions into full-image masks (evaluation side, NumPy, one image).
+
+    Only each box's pixel region is resampled (separable bilinear, as matrix products), so the cost grows
+    with the boxes' area, not with D * h * w.
+
+    Args:
+      masks: [D, R, R] float32 mask probabilities, pixel-centre convention relative to their box.
+      boxes: [D, 4] float32 boxes [ymin, xmin, ymax, xmax] in pixels of the target image; they may
+        reach past the image (clipped) or be empty (empty mask).
+      image_hw: (h, w) ints, size of the target image.
+      threshold: None, or a float: then return ``probability >= threshold`` inside the box.
+
+    Returns:
+      [D, h, w] float32 probabilities, or uint8 in {0, 1} when ``threshold`` is given; 0 outside each box.
+    """
+    masks = np.asarray(masks, dtype=np.float32)
+    boxes = np.asarray(boxes, dtype=np.float32)
+    if masks.ndim != 3 or masks.shape[1] != masks.shape[2] or masks.shape[1] < 1:
+        raise ValueError(f"masks must be [D, R, R] with R >= 1, got shape {masks.shape}.")
+    if boxes.shape != (masks.shape[0], 4):
+        raise ValueError(f"boxes must be [D, 4] with D = {masks.shape[0]}, got shape {boxes.shape}.")
+    if len(image_hw) != 2 or any(int(v) != v or v < 0 for v in image_hw):
+        raise ValueError(f"image_hw must be two non-negative ints (h, w), got {image_hw!r}.")
+    if threshold is not None and not np.isfinite(threshold):
+        raise ValueError(f"threshold must be None or a finite number, got {threshold!r}.")
+    height, width = int(image_hw[0]), int(image_hw[1])
+    mask_size = masks.shape[1]
+    out = np.zeros((masks.shape[0], height, width), np.float32 if threshold is None else np.uint8)
+    for d, (ymin, xmin, ymax, xmax) in enumerate(boxes.tolist()):
+        top, rows = _axis_weights(ymin, ymax, mask_size, height)
+        left, cols = _axis_weights(xmin, xmax, mask_size, width)
+        if rows.size == 0 or cols.size == 0:
+            continue
+        # Separable bilinear resize of the box region only, as two small matrix products.
+        region = rows @ masks[d] @ cols.T
+        if threshold is not None:
+            region = region >= threshold
+        out[d, top:top + rows.shape[0], left:left + cols.shape[0]] = region
+    return out

@@ -1,0 +1,57 @@
+"""What a run reports: console progress lines, a JSON-lines log, TensorBoard scalars.
+
+Every record goes to all three sinks; the JSON-lines file is appended to, so a resumed run continues the
+log of the run it resumes. Throughput excludes the first `warmup_steps` steps of this process (tracing
+and allocator warm-up would otherwise dominate short runs).
+"""
+
+import json
+import math
+import os
+import time
+
+import tensorflow as tf
+
+
+def format_duration(seconds):
+    """12345.6 -> '3:25:46'."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class RunLogger:
+    """Writes metric records to the console, `log_file` (JSON lines) and `tensorboard_dir` (optional)."""
+
+    def __init__(self, log_file, tensorboard_dir=None, verbose=True):
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+        self.log = open(log_file, "a", encoding="utf-8")
+        self.writer = tf.summary.create_file_writer(tensorboard_dir) if tensorboard_dir else None
+        self.verbose = verbose
+
+    def event(self, name, echo=True, **fields):
+        """A one-off record (run start with its config, checkpoint written, run end); `echo` prints it too."""
+        self._write({"event": name, "time": time.time(), **fields})
+        if self.verbose and echo:
+            details = " ".join(f"{k} {v}" for k, v in fields.items())
+            print(f"[train] {name} {details}", flush=True)
+
+    def metrics(self, step, values, line):
+        """A metrics record at update `step`: JSON line, TensorBoard scalars, and `line` on the console."""
+        self._write({"event": "metrics", "time": time.time(), "step": step, **values})
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for name, value in values.items():
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        tf.summary.scalar(name, value)
+            self.writer.flush()
+        if self.verbose:
+            print(line, flush=True)
+
+    def _write(self, record):
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+
+    def close(self):
+        self.log.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,250 @@
+"""`main.py train`: the training loop with schedule, precision, accumulation, checkpoints and benchmark mode.
+
+One update ("step") consumes `accumulate_steps` batches of `train_batch_size` images. The step counter,
+model, optimizer (momentum, iterations, loss scale) and the data seed live in the checkpoint, so rerunning
+the same command resumes at the same step with the same learning rate. The input pipeline cannot be
+checkpointed cheaply (its shuffle buffer holds images): a resumed run reseeds it with its start step, so
+it reads a fresh, still reproducible order rather than replaying the first batches.
+"""
+
+import copy
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
+from mrcnn_tf2.runtime.logger import RunLogger, format_duration
+from mrcnn_tf2.runtime.schedule import learning_rate_schedule
+
+# Exit status of a run stopped by a non-finite loss.
+EXIT_NON_FINITE = 4
+# Percentiles of the per-step latency that --benchmark reports.
+LATENCY_PERCENTILES = (50, 90, 95, 99)
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss became NaN or infinite outside float16 loss scaling: training stops before any checkpoint."""
+
+
+def set_precision(amp):
+    """Sets the global Keras policy: mixed_float16 on GPU or mixed_bfloat16 on CPU with amp, else float32."""
+    policy = "float32"
+    if amp:
+        policy = "mixed_float16" if tf.config.list_physical_devices("GPU") else "mixed_bfloat16"
+    keras.mixed_precision.set_global_policy(policy)
+    return policy
+
+
+def count_records(file_pattern):
+    """Number of records in the files matching `file_pattern` (read once; the record bodies are skipped)."""
+    paths = sorted(glob.glob(file_pattern))
+    if not paths:
+        raise FileNotFoundError(f"no file matches {file_pattern}")
+    return int(tf.data.TFRecordDataset(paths).reduce(np.int64(0), lambda count, _: count + 1))
+
+
+class Trainer:
+    """Builds everything a run needs from a Config and runs the loop (see `run`)."""
+
+    def __init__(self, config, num_workers=1, worker_index=0):
+        self.config = config
+        train, runtime = config.train, config.runtime
+        if train.seed is not None:
+            keras.utils.set_random_seed(train.seed)
+        self.policy = set_precision(runtime.amp)
+        self.num_workers, self.worker_index = num_workers, worker_index
+        self.pattern = config.data.resolved_training_pattern()
+        self.global_batch_size = train.train_batch_size * train.accumulate_steps * num_workers
+        self.steps_per_epoch = train.steps_per_epoch
+        if self.steps_per_epoch is None:
+            records = count_records(self.pattern)
+            self.steps_per_epoch = records // self.global_batch_size
+            if self.steps_per_epoch < 1:
+                raise ValueError(
+                    f"{self.pattern} holds {records} records, fewer than one global batch of "
+                    f"{self.global_batch_size} images: lower --train_batch_size or --accumulate_steps"
+                )
+        self.total_steps = train.epochs * self.steps_per_epoch
+        self.schedule = learning_rate_schedule(train, self.steps_per_epoch, self.global_batch_size)
+        optimizer = keras.optimizers.SGD(self.schedule, momentum=train.momentum)
+        if self.policy == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        self.model = build_model(config)
+        self.model.compile(optimizer=optimizer)
+        self.optimizer = optimizer
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.accumulated = None
+        self.keeper = None
+
+    # -- the update ---------------------------------------------------------------------------------------
+
+    def _build(self, batch):
+        """Creates every variable (model, optimizer slots, accumulators) so checkpoints restore eagerly."""
+        self.model(batch, training=True)
+        self.optimizer.build(self.model.trainable_variables)
+        if self.config.train.accumulate_steps > 1:
+            self.accumulated = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.model.trainable_variables]
+
+    def _update_fn(self):
+        """tf.function(batches) -> losses averaged over the accumulate_steps batches, after one update.
+
+        With accumulation, each batch's gradients (of loss / accumulate_steps) are summed into
+        accumulators and applied once: the update equals one on a batch accumulate_steps times larger.
+        """
+        model, optimizer = self.model, self.optimizer
+        count = self.config.train.accumulate_steps
+        variables = model.trainable_variables
+
+        def update(batches):
+            if count == 1:
+                losses, gradients = model.compute_gradients(batches[0])
+            else:
+                total = None
+                for batch in batches:  # static length: unrolled
+                    batch_losses, batch_gradients = model.compute_gradients(batch, 1.0 / count)
+                    for accumulator, gradient in zip(self.accumulated, batch_gradients):
+                        accumulator.assign_add(gradient)
+                    total = batch_losses if total is None else {k: total[k] + v for k, v in batch_losses.items()}
+                losses = {k: v / count for k, v in total.items()}
+                gradients = [accumulator.read_value() for accumulator in self.accumulated]
+            optimizer.apply_gradients(zip(gradients, variables))
+            if self.accumulated is not None:
+                for accumulator in self.accumulated:
+                    accumulator.assign(tf.zeros_like(accumulator))
+            self.step.assign_add(1)
+            return losses
+
+        if self.config.runtime.eagerly:
+            return update
+        return tf.function(update, jit_compile=self.config.runtime.xla or None)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def _dataset(self, start_step):
+        config = copy.deepcopy(self.config)
+        if config.train.seed is not None:
+            # A resumed run reads a new order, still fixed by --seed (see the module docstring).
+            config.train.seed += start_step
+        return InputPipeline(config, training=True).dataset(
+            self.pattern, config.train.train_batch_size, self.worker_index, self.num_workers)
+
+    def _restore_or_initialise(self, batch, logger):
+        """Restores the latest checkpoint, or loads the pretrained backbone in a new run; returns the step."""
+        runtime = self.config.runtime
+        self._build(batch)
+        objects = dict(model=self.model, optimizer=self.optimizer, step=self.step)
+        self.keeper = CheckpointKeeper(runtime.model_dir, runtime.keep_checkpoints, **objects)
+        path = self.keeper.restore_latest()
+        if path is not None:
+            logger.event("resumed", checkpoint=path, step=int(self.step.numpy()))
+        elif self.config.train.backbone_checkpoint:
+            # Only a new run loads pretrained weights: a resumed one has trained past them.
+            tf.train.Checkpoint(backbone=self.model.backbone).read(
+                self.config.train.backbone_checkpoint).assert_existing_objects_matched().expect_partial()
+            logger.event("backbone loaded", checkpoint=self.config.train.backbone_checkpoint)
+        return int(self.step.numpy())
+
+    def run(self):
+        """Trains to epochs * steps_per_epoch updates (or benchmarks); returns the process exit status."""
+        config, runtime = self.config, self.config.runtime
+        log_file = runtime.log_file or os.path.join(runtime.model_dir, "log.jsonl")
+        logger = RunLogger(log_file, runtime.log_tensorboard, verbose=self.worker_index == 0)
+        try:
+            return self._loop(logger)
+        except NonFiniteLossError as err:
+            print(f"[train] error: {err}", file=sys.stderr)
+            logger.event("stopped", reason=str(err))
+            return EXIT_NON_FINITE
+        finally:
+            logger.close()
+
+    def _loop(self, logger):
+        config, runtime = self.config, self.config.runtime
+        accumulate = config.train.accumulate_steps
+        # Where to resume is known only after restoring, which needs built variables: peek one batch first.
+        first = next(iter(self._dataset(0)))
+        start = self._restore_or_initialise(first, logger)
+        logger.event("start", echo=False, config=config.to_dict(), policy=self.policy,
+                     steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, start_step=start,
+                     global_batch_size=self.global_batch_size)
+        if not runtime.benchmark and start >= self.total_steps:
+            logger.event("done", step=start, message="already trained to the last step")
+            return 0
+        last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
+                else self.total_steps)
+        update = self._update_fn()
+        batches = iter(self._dataset(start))
+        step_times, window = [], []
+        timer_start = None
+        for step in range(start + 1, last + 1):
+            tic = time.perf_counter()
+            losses = update([next(batches) for _ in range(accumulate)])
+            values = {name: float(value) for name, value in losses.items()}  # waits for the step
+            toc = time.perf_counter()
+            self._check_finite(step, values)
+            done = step - start
+            if done == runtime.log_warmup_steps:
+                timer_start = toc
+            elif done > runtime.log_warmup_steps:
+                step_times.append(toc - tic)
+            window.append(values)
+            epoch_end = not runtime.benchmark and step % self.steps_per_epoch == 0
+            if step % runtime.log_every == 0 or step == last:
+                self._log_metrics(logger, step, last, window, step_times, timer_start)
+                window = []
+            if not runtime.benchmark and (step % runtime.checkpoint_every == 0 or epoch_end or step == last):
+                logger.event("checkpoint", step=step, path=self.keeper.save(step))
+        if runtime.benchmark:
+            self._report_benchmark(logger, step_times)
+        logger.event("done", step=last)
+        return 0
+
+    def _check_finite(self, step, values):
+        if all(math.isfinite(v) for v in values.values()):
+            return
+        if self.policy == "mixed_float16":
+            return  # the LossScaleOptimizer skipped this update and lowered its scale
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        raise NonFiniteLossError(f"non-finite loss at step {step} ({terms}); no checkpoint was written for it")
+
+    def _log_metrics(self, logger, step, last, window, step_times, timer_start):
+        means = {name: float(np.mean([w[name] for w in window])) for name in window[0]}
+        rate = None
+        if step_times:
+            rate = self.global_batch_size * len(step_times) / (time.perf_counter() - timer_start)
+        means["learning_rate"] = float(self.schedule(step - 1))
+        means["epoch"] = (step - 1) // self.steps_per_epoch + 1
+        if rate:
+            means["img_per_s"] = rate
+        parts = [f"step {step}/{last}", f"epoch {means['epoch']}/{self.config.train.epochs}"]
+        parts += [f"{k} {v:.4f}" for k, v in means.items() if k.startswith("loss_")]
+        parts.append(f"lr {means['learning_rate']:.5g}")
+        if rate:
+            parts += [f"{rate:.2f} img/s", f"ETA {format_duration((last - step) * self.global_batch_size / rate)}"]
+        logger.metrics(step, means, "[train] " + "  ".join(parts))
+
+    def _report_benchmark(self, logger, step_times):
+        times = np.array(step_times)
+        throughput = self.global_batch_size * len(times) / times.sum()
+        latency = {"mean": float(times.mean()), **{f"p{p}": float(np.percentile(times, p))
+                                                   for p in LATENCY_PERCENTILES}}
+        print(f"train throughput: {throughput:.3f} img/s")
+        print("train latency (s/step): " + "  ".join(f"{k} {v:.3f}" for k, v in latency.items()))
+        record = {"benchmark": "train", "throughput_img_per_s": throughput, "steps": len(times),
+                  "batch_size": self.global_batch_size, "precision": self.policy, "latency_s": latency}
+        print(json.dumps(record), flush=True)
+        logger.event("benchmark", echo=False, **record)
+
+
+def run(config):
+    """Entry point of `main.py train`."""
+    return Trainer(config).run()

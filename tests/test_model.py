@@ -1,0 +1,182 @@
+"""The whole MaskRCNN at 128x128 with ResNet-18: losses, gradients, inference outputs, overfitting, policies."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2.config import Config
+from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, IMAGENET_STD, PADDING_CLASS, PADDING_MASK
+from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.ops.anchors import rpn_targets
+
+IMAGE_SIZE = (128, 128)
+NUM_CLASSES = 4
+MAX_INSTANCES = 3
+MASK_SIZE = 14
+LOSS_KEYS = {"loss_rpn_score", "loss_rpn_box", "loss_fast_rcnn_class", "loss_fast_rcnn_box", "loss_mask",
+             "loss_l2", "loss_total"}
+
+
+def small_config():
+    config = Config()
+    config.model.backbone = "resnet18"
+    config.model.num_classes = NUM_CLASSES
+    config.model.fast_rcnn_mlp_head_dim = 64
+    config.model.rpn.train_rpn_pre_nms_topn = 200
+    config.model.rpn.train_rpn_post_nms_topn = 100
+    config.model.rpn.test_rpn_pre_nms_topn = 200
+    config.model.rpn.test_rpn_post_nms_topn = 100
+    config.model.roi.batch_size_per_im = 32
+    config.model.test.test_detections_per_image = 10
+    config.data.image_size = IMAGE_SIZE
+    config.data.max_num_instances = MAX_INSTANCES
+    config.data.gt_mask_size = MASK_SIZE
+    return config
+
+
+def synthetic_batch(model_config, objects_per_image=(2, 1)):
+    """A fixed batch as the input pipeline makes it: coloured rectangles and discs on grey, masks in their boxes.
+
+    Image b holds objects_per_image[b] objects; the batch size is len(objects_per_image).
+    """
+    from mrcnn_tf2.ops.anchors import generate_anchors
+
+    anchors = model_config.model.anchors
+    anchor_boxes = generate_anchors(anchors.min_level, anchors.max_level, anchors.num_scales, anchors.aspect_ratios,
+                                    anchors.anchor_scale, IMAGE_SIZE)
+    rng = np.random.default_rng(1)
+    images, boxes, classes, masks = [], [], [], []
+    score_targets, box_targets = [], []
+    yy, xx = (np.mgrid[0:MASK_SIZE, 0:MASK_SIZE] + 0.5) / MASK_SIZE - 0.5
+    disc = (yy**2 + xx**2 <= 0.25).astype(np.float32)
+    batch_size = len(objects_per_image)
+    for b, count in enumerate(objects_per_image):
+        image = np.full(IMAGE_SIZE + (3,), 110.0, np.float32)
+        image_boxes = np.full((MAX_INSTANCES, 4), -1.0, np.float32)
+        image_classes = np.full((MAX_INSTANCES,), PADDING_CLASS, np.int32)
+        image_masks = np.full((MAX_INSTANCES, MASK_SIZE, MASK_SIZE), PADDING_MASK, np.float32)
+        for i in range(count):
+            y, x = rng.integers(4, 60, size=2)
+            h, w = rng.integers(24, 60, size=2)
+            cls = 1 + (b + i) % (NUM_CLASSES - 1)
+            image_boxes[i] = (y, x, y + h, x + w)
+            image_classes[i] = cls
+            image_masks[i] = disc if cls == 2 else 1.0
+            region = image[y:y + h, x:x + w]
+            shape = np.ones((h, w), bool) if cls != 2 else (
+                (((np.arange(h)[:, None] + 0.5) / h - 0.5) ** 2 + ((np.arange(w) + 0.5) / w - 0.5) ** 2) <= 0.25)
+            region[shape] = [(255, 0, 0), (0, 255, 0), (0, 0, 255)][cls - 1]
+        targets = rpn_targets(anchor_boxes, image_boxes, IMAGE_SIZE, seed=tf.constant([b, 5]))
+        images.append((image - IMAGENET_MEAN) / IMAGENET_STD)
+        boxes.append(image_boxes)
+        classes.append(image_classes)
+        masks.append(image_masks)
+        score_targets.append(targets["rpn_score_targets"])
+        box_targets.append(targets["rpn_box_targets"])
+    stack = lambda dicts: {level: tf.stack([d[level] for d in dicts]) for level in dicts[0]}  # noqa: E731
+    return {
+        "images": tf.constant(np.stack(images), tf.float32),
+        "image_info": tf.constant([[*IMAGE_SIZE, 0.5, 64, 64]] * batch_size, tf.float32),
+        "source_ids": tf.range(batch_size, dtype=tf.int64),
+        "gt_boxes": tf.constant(np.stack(boxes)),
+        "gt_classes": tf.constant(np.stack(classes)),
+        "gt_masks": tf.constant(np.stack(masks)),
+        "rpn_score_targets": stack(score_targets),
+        "rpn_box_targets": stack(box_targets),
+    }
+
+
+@pytest.fixture(scope="module")
+def config():
+    return small_config()
+
+
+@pytest.fixture(scope="module")
+def batch(config):
+    return synthetic_batch(config)
+
+
+def compiled_model(config, learning_rate=0.01, optimizer=None):
+    keras.utils.set_random_seed(0)
+    model = build_model(config)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(learning_rate, momentum=0.9))
+    return model
+
+
+def test_train_step_gives_every_loss_finite(config, batch):
+    model = compiled_model(config)
+    losses = model.train_step(batch)
+    assert set(losses) == LOSS_KEYS
+    for name, value in losses.items():
+        assert value.dtype == tf.float32 and value.shape == () and np.isfinite(value.numpy()), name
+    parts = sum(float(v) for k, v in losses.items() if k != "loss_total")
+    assert float(losses["loss_total"]) == pytest.approx(parts, rel=1e-5)
+
+
+def test_gradients_reach_every_trainable_variable_and_no_frozen_one(config, batch):
+    model = compiled_model(config)
+    model(batch, training=True)  # builds every layer
+    frozen = [v for v in model.variables if not v.trainable]
+    trainable = model.trainable_variables
+    # The stem and first group are frozen, like every batch norm: their weights must not be trained.
+    assert any("conv1" in v.path for v in frozen) and any("bn" in v.path or "batch" in v.path for v in frozen)
+    assert not {id(v) for v in frozen} & {id(v) for v in trainable}
+    with tf.GradientTape() as tape:
+        losses = model.compute_losses(batch, model.forward_train(batch, training=True))
+    grads = tape.gradient(losses["loss_total"], trainable)
+    missing = [v.path for v, g in zip(trainable, grads) if g is None or not np.any(g.numpy())]
+    assert not missing
+
+
+def test_inference_outputs(config, batch):
+    model = compiled_model(config)
+    out = model.predict_step(batch)
+    detections = config.model.test.test_detections_per_image
+    assert out["detection_boxes"].shape == (2, detections, 4)
+    assert out["detection_scores"].shape == (2, detections)
+    assert out["detection_classes"].shape == (2, detections) and out["detection_classes"].dtype == tf.int32
+    assert out["detection_masks"].shape == (2, detections, 28, 28)
+    assert out["num_detections"].shape == (2,)
+    count = out["num_detections"].numpy()
+    classes = out["detection_classes"].numpy()
+    for b in range(2):
+        assert (classes[b, :count[b]] >= 1).all() and (classes[b, count[b]:] == 0).all()
+        # Boxes are mapped to the original image (image_info scale 0.5 of a 128x128 input -> 64x64).
+        assert (out["detection_boxes"].numpy()[b, :count[b]] <= 64 + 1e-3).all()
+    masks = out["detection_masks"].numpy()
+    assert ((masks >= 0) & (masks <= 1)).all()
+    np.testing.assert_array_equal(out["source_ids"].numpy(), [0, 1])
+
+
+def test_overfitting_one_batch_halves_the_loss(config, batch):
+    model = compiled_model(config, learning_rate=0.005)
+    step = tf.function(model.train_step)
+    totals = [float(step(batch)["loss_total"]) for _ in range(40)]
+    # RoI sampling is random at every step: compare the first loss with the mean of the last five.
+    assert np.mean(totals[-5:]) < 0.5 * totals[0], totals
+
+
+def test_fit_and_evaluate_run_on_a_dataset(config, batch):
+    model = compiled_model(config)
+    dataset = tf.data.Dataset.from_tensors(batch).repeat()
+    history = model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss_total"]).all()
+    results = model.evaluate(dataset, steps=1, verbose=0, return_dict=True)
+    assert LOSS_KEYS <= set(results)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_policies_train(config, batch, policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        if policy == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model = compiled_model(config, optimizer=optimizer)
+        losses = model.train_step(batch)
+        assert all(np.isfinite(v.numpy()) for v in losses.values())
+        assert model.backbone.compute_dtype == policy.removeprefix("mixed_")
+        assert all(v.dtype == "float32" for v in model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

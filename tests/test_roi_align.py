@@ -1,0 +1,187 @@
+"""Multilevel RoIAlign against a NumPy loop transcription of torchvision's roi_align(aligned=True)."""
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2.ops import roi_align
+
+
+def np_bilinear(feature, y, x):
+    """torchvision's bilinear_interpolate for one point of an [H, W, C] map."""
+    height, width = feature.shape[:2]
+    if y < -1.0 or y > height or x < -1.0 or x > width:
+        return np.zeros(feature.shape[-1])
+    y, x = max(y, 0.0), max(x, 0.0)
+    y_low, x_low = int(y), int(x)
+    if y_low >= height - 1:
+        y_low = y_high = height - 1
+        y = float(y_low)
+    else:
+        y_high = y_low + 1
+    if x_low >= width - 1:
+        x_low = x_high = width - 1
+        x = float(x_low)
+    else:
+        x_high = x_low + 1
+    ly, lx = y - y_low, x - x_low
+    return ((1 - ly) * (1 - lx) * feature[y_low, x_low] + (1 - ly) * lx * feature[y_low, x_high]
+            + ly * (1 - lx) * feature[y_high, x_low] + ly * lx * feature[y_high, x_high])
+
+
+def np_level(box, min_level, max_level):
+    size = math.sqrt(max(box[2] - box[0], 0.0) * max(box[3] - box[1], 0.0))
+    level = math.floor(4 + math.log2(size / 224.0) + 1e-6) if size > 0 else min_level
+    return min(max(level, min_level), max_level)
+
+
+def np_roi_align(features, boxes, output_size, sampling_ratio):
+    """features {level: [B, H, W, C]} float64, boxes [B, N, 4] -> [B, N, R, R, C], one point at a time."""
+    levels = sorted(features)
+    batch, num_boxes = boxes.shape[:2]
+    channels = features[levels[0]].shape[-1]
+    out = np.zeros((batch, num_boxes, output_size, output_size, channels))
+    for b in range(batch):
+        for n in range(num_boxes):
+            level = np_level(boxes[b, n], levels[0], levels[-1])
+            feature = features[level][b]
+            y0, x0, y1, x1 = boxes[b, n] / 2.0**level - 0.5
+            bin_h, bin_w = (y1 - y0) / output_size, (x1 - x0) / output_size
+            for i in range(output_size):
+                for j in range(output_size):
+                    total = np.zeros(channels)
+                    for iy in range(sampling_ratio):
+                        y = y0 + i * bin_h + (iy + 0.5) * bin_h / sampling_ratio
+                        for ix in range(sampling_ratio):
+                            x = x0 + j * bin_w + (ix + 0.5) * bin_w / sampling_ratio
+                            total += np_bilinear(feature, y, x)
+                    out[b, n, i, j] = total / sampling_ratio**2
+    return out
+
+
+def random_pyramid(rng, batch, image_hw, levels, channels, dtype=np.float32):
+    return {level: rng.normal(size=(batch, image_hw[0] // 2**level, image_hw[1] // 2**level, channels)).astype(dtype)
+            for level in levels}
+
+
+def random_boxes(rng, batch, num, image_hw, margin=8.0):
+    """Boxes of varied size, some reaching past the image edges (to exercise the clamping rules)."""
+    y = rng.uniform(-margin, image_hw[0] + margin, size=(batch, num, 2))
+    x = rng.uniform(-margin, image_hw[1] + margin, size=(batch, num, 2))
+    return np.stack([y.min(-1), x.min(-1), y.max(-1), x.max(-1)], axis=-1).astype(np.float32)
+
+
+def test_matches_numpy_oracle_on_two_levels(rng):
+    image_hw = (48, 64)
+    features = random_pyramid(rng, 2, image_hw, (2, 3), 3)
+    boxes = random_boxes(rng, 2, 12, image_hw)
+    # Two boxes large enough (side >= 112) for level 3, past the image edges; the rest are on level 2.
+    boxes[0, 0] = [-20.0, -30.0, 100.0, 130.0]
+    boxes[1, 1] = [-5.0, -5.0, 120.0, 120.0]
+    got = roi_align.multilevel_roi_align(features, boxes, output_size=3, sampling_ratio=2).numpy()
+    want = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, 3, 2)
+    assert got.shape == (2, 12, 3, 3, 3)
+    assert {np_level(b, 2, 3) for b in boxes.reshape(-1, 4)} == {2, 3}
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_sampling_ratio_one_and_inside_tf_function(rng):
+    image_hw = (32, 32)
+    features = random_pyramid(rng, 1, image_hw, (2, 3, 4), 2)
+    boxes = random_boxes(rng, 1, 5, image_hw, margin=2.0)
+    fn = tf.function(lambda f, b: roi_align.multilevel_roi_align(f, b, output_size=4, sampling_ratio=1))
+    got = fn(features, tf.constant(boxes)).numpy()
+    want = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, 4, 1)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_level_assignment():
+    sides = np.array([32.0, 112.0, 224.0, 448.0, 896.0], np.float32)
+    boxes = np.stack([np.zeros(5), np.zeros(5), sides, sides], axis=-1)[None].astype(np.float32)
+    np.testing.assert_array_equal(roi_align.assign_levels(boxes, 2, 5).numpy(), [[2, 3, 4, 5, 5]])
+    # Just below a power of two falls to the lower level.
+    np.testing.assert_array_equal(roi_align.assign_levels([[0.0, 0.0, 223.0, 223.0]], 2, 5).numpy(), [3])
+
+
+def test_level_assignment_selects_features():
+    """A box of side 224 on a pyramid whose level 4 alone is nonzero reads that level only."""
+    features = {level: np.zeros((1, 512 // 2**level, 512 // 2**level, 1), np.float32) for level in (2, 3, 4, 5)}
+    features[4][:] = 1.0
+    boxes = np.array([[[100.0, 100.0, 324.0, 324.0], [100.0, 100.0, 212.0, 212.0]]], np.float32)
+    out = roi_align.multilevel_roi_align(features, boxes, 2).numpy()
+    np.testing.assert_allclose(out[0, 0], 1.0)
+    np.testing.assert_allclose(out[0, 1], 0.0)
+
+
+def test_padded_and_degenerate_boxes_are_finite(rng):
+    features = random_pyramid(rng, 2, (32, 48), (2, 3), 4)
+    boxes = np.full((2, 3, 4), -1.0, np.float32)
+    boxes[0, 1] = [10.0, 10.0, 10.0, 10.0]  # empty
+    boxes[1, 2] = [20.0, 5.0, 12.0, 30.0]  # inverted
+    got = roi_align.multilevel_roi_align(features, boxes, 2).numpy()
+    assert np.all(np.isfinite(got))
+    want = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, 2, 2)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    # A padded box samples at (-0.75, -0.75) on level 2, which clamps to cell (0, 0).
+    np.testing.assert_allclose(got[0, 0], np.broadcast_to(features[2][0, 0, 0], (2, 2, 4)), atol=1e-6)
+
+
+def test_samples_on_the_valid_range_edges():
+    """Samples at exactly -1 or H (W) still count, clamped to the edge cell; just beyond, they are 0."""
+    feature = np.arange(64, dtype=np.float32).reshape(1, 8, 8, 1)
+    # One sample per box at its centre; level-2 coordinate = centre / 4 - 0.5.
+    centres = [(34.0, 10.0), (-2.0, 10.0), (10.0, 34.0), (36.0, 10.0), (10.0, -4.0)]
+    boxes = np.array([[[cy - 2, cx - 2, cy + 2, cx + 2] for cy, cx in centres]], np.float32)
+    got = roi_align.multilevel_roi_align({2: feature}, boxes, output_size=1, sampling_ratio=1).numpy()
+    # (y, x) = (8, 2) -> cell (7, 2); (-1, 2) -> (0, 2); (2, 8) -> (2, 7); y = 8.5 and x = -1.5 are out.
+    np.testing.assert_allclose(got.reshape(-1), [7 * 8 + 2, 2, 2 * 8 + 7, 0.0, 0.0])
+
+
+def test_bfloat16_features_give_bfloat16_output(rng):
+    features = random_pyramid(rng, 1, (32, 32), (2, 3), 2)
+    boxes = random_boxes(rng, 1, 4, (32, 32))
+    bf16 = {k: tf.cast(v, tf.bfloat16) for k, v in features.items()}
+    with tf.GradientTape() as tape:
+        tape.watch(bf16)
+        got = roi_align.multilevel_roi_align(bf16, boxes, 3)
+        loss = tf.reduce_sum(tf.cast(got, tf.float32))
+    assert got.dtype == tf.bfloat16
+    grad = tf.convert_to_tensor(tape.gradient(loss, bf16)[2])
+    assert grad.dtype == tf.bfloat16 and float(tf.reduce_sum(tf.cast(grad, tf.float32))) > 0
+    want = np_roi_align({k: tf.cast(v, tf.float64).numpy() for k, v in bf16.items()}, boxes, 3, 2)
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_gradient_reaches_only_features_under_the_box():
+    features = {2: tf.zeros((1, 16, 16, 2)), 3: tf.zeros((1, 8, 8, 2))}
+    boxes = tf.constant([[[8.0, 16.0, 24.0, 40.0]]])  # level 2 cells y 2..6, x 4..10
+    with tf.GradientTape() as tape:
+        tape.watch([features, boxes])
+        loss = tf.reduce_sum(roi_align.multilevel_roi_align(features, boxes, 2))
+    grads, box_grad = tape.gradient(loss, [features, boxes])
+    assert box_grad is None
+    grad2 = tf.convert_to_tensor(grads[2]).numpy()[0, ..., 0]
+    # Scaled box y in [1.5, 5.5], x in [3.5, 9.5]; the bilinear taps span rows 1..6 and cols 3..10.
+    assert np.all(grad2[2:6, 4:10] > 0)
+    outside = np.ones_like(grad2, bool)
+    outside[1:7, 3:11] = False
+    assert np.all(grad2[outside] == 0)
+    # Every output averages weights that sum to 1: total gradient = R * R outputs * 2 channels / 2 channels.
+    assert grad2.sum() == pytest.approx(4.0, abs=1e-5)
+    assert grads[3] is None or np.all(tf.convert_to_tensor(grads[3]).numpy() == 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(features={}), "features"),
+    (dict(features={2: np.zeros((1, 4, 4, 1), np.float32), 4: np.zeros((1, 1, 1, 1), np.float32)}), "consecutive"),
+    (dict(output_size=0), "output_size"),
+    (dict(sampling_ratio=0), "sampling_ratio"),
+    (dict(boxes=np.zeros((1, 3, 5), np.float32)), "boxes"),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(features={2: np.zeros((1, 4, 4, 1), np.float32)}, boxes=np.zeros((1, 3, 4), np.float32),
+                output_size=2, sampling_ratio=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        roi_align.multilevel_roi_align(**args)

@@ -1,0 +1,199 @@
+"""`main.py train`: schedule, accumulation, non-finite losses, resume after SIGKILL, corrupt checkpoints, benchmark."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2.config import Config
+from mrcnn_tf2.runtime import train as train_runtime
+from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
+from tests.test_model import small_config, synthetic_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A ResNet-18 Mask R-CNN at 128x128 with small heads: a step takes a fraction of a second here.
+SMALL_FLAGS = [
+    "--backbone", "resnet18", "--image_size", "128", "128", "--num_classes", "6", "--train_batch_size", "2",
+    "--seed", "1", "--log_warmup_steps", "1",
+    "--config_override", "model.fast_rcnn_mlp_head_dim=64",
+    "--config_override", "model.roi.batch_size_per_im=32",
+    "--config_override", "model.rpn.train_rpn_pre_nms_topn=200",
+    "--config_override", "model.rpn.train_rpn_post_nms_topn=100",
+    "--config_override", "data.max_num_instances=8",
+    "--config_override", "data.gt_mask_size=14",
+]
+
+
+def main_py(*args):
+    return [sys.executable, os.path.join(ROOT, "main.py"), *args]
+
+
+def read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_schedule_warms_up_linearly_then_steps_at_the_boundaries():
+    schedule = WarmupPiecewiseConstant(0.01, [10, 50, 80], [0.1, 0.02, 0.005])
+    rates = {step: float(schedule(step)) for step in (0, 5, 9, 10, 49, 50, 79, 80, 10_000)}
+    assert rates[0] == pytest.approx(0.01)
+    assert rates[5] == pytest.approx(0.055)
+    assert rates[9] == pytest.approx(0.091)
+    assert rates[10] == rates[49] == pytest.approx(0.1)
+    assert rates[50] == rates[79] == pytest.approx(0.02)
+    assert rates[80] == rates[10_000] == pytest.approx(0.005)
+
+
+def test_schedule_from_config_scales_values_by_the_global_batch_and_epochs_to_steps():
+    train = Config().train
+    schedule = learning_rate_schedule(train, steps_per_epoch=100, global_batch_size=8)
+    assert schedule.boundaries == [30, 800, 1000]
+    assert schedule.values == pytest.approx([0.08, 0.008, 0.0008])
+    assert float(schedule(15)) == pytest.approx(0.04)
+
+
+def trainer_for(config):
+    config.data.training_file_pattern = "/nonexistent/train-*.tfrecord"  # never read: steps_per_epoch is set
+    config.train.steps_per_epoch = 10
+    return train_runtime.Trainer(config)
+
+
+def test_accumulated_update_equals_one_update_on_the_larger_batch():
+    # One object in each image, so that both images sample as many RoIs (see below).
+    batch = synthetic_batch(small_config(), objects_per_image=(1, 1))
+    halves = [tf.nest.map_structure(lambda t, i=i: t[i:i + 1], batch) for i in range(2)]
+    trainers = []
+    for batch_size, accumulate in ((2, 1), (1, 2)):
+        config = small_config()
+        # Faster R-CNN with every proposal sampled: the losses are then means of equally weighted
+        # per-image terms, and so the large batch and the accumulated halves must agree.
+        config.model.include_mask = False
+        config.model.roi.batch_size_per_im = 128
+        config.model.roi.fg_fraction = 1.0
+        config.model.rpn.train_rpn_post_nms_topn = 20
+        config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+        config.train.train_batch_size, config.train.accumulate_steps = batch_size, accumulate
+        trainer = trainer_for(config)
+        trainer._build(batch)
+        trainers.append(trainer)
+    large, accumulated = trainers
+    for source, target in zip(large.model.weights, accumulated.model.weights):
+        target.assign(source)
+    initial = [v.numpy() for v in large.model.trainable_variables]
+    losses_large = large._update_fn()([batch])
+    losses_accumulated = accumulated._update_fn()(halves)
+    assert float(losses_accumulated["loss_total"]) == pytest.approx(float(losses_large["loss_total"]), rel=1e-4)
+    for a, b, before in zip(large.model.trainable_variables, accumulated.model.trainable_variables, initial):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-7, err_msg=a.path)
+    assert any(not np.allclose(a.numpy(), before) for a, before in zip(large.model.trainable_variables, initial))
+    assert int(large.step.numpy()) == int(accumulated.step.numpy()) == 1
+    assert int(accumulated.optimizer.iterations.numpy()) == 1
+    assert all(not np.any(acc.numpy()) for acc in accumulated.accumulated)
+
+
+def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_records):
+    config = small_config()
+    config.data.data_dir = shapes_records["data_dir"]
+    config.model.num_classes = 6
+    config.data.max_num_instances = 8
+    config.runtime.model_dir = str(tmp_path)
+    config.runtime.checkpoint_every = 1
+    # A learning rate that makes the weights, then the losses, overflow within a few steps.
+    config.train.init_learning_rate = 1e3
+    config.train.learning_rate_values = (1e3,)
+    config.train.learning_rate_boundaries = (0.0,)
+    config.train.epochs = 50
+    assert train_runtime.Trainer(config).run() == train_runtime.EXIT_NON_FINITE
+    log = read_log(tmp_path / "log.jsonl")
+    (stopped,) = [r for r in log if r["event"] == "stopped"]
+    failed_step = int(stopped["reason"].split("non-finite loss at step ")[1].split()[0])
+    assert "loss_total=" in stopped["reason"]
+    assert [r["step"] for r in log if r["event"] == "checkpoint"] == list(range(1, failed_step))
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{failed_step - 1}")
+
+
+def start_training(model_dir, data_dir, *extra):
+    return subprocess.Popen(
+        main_py("train", "--data_dir", data_dir, "--model_dir", str(model_dir), *SMALL_FLAGS,
+                "--steps_per_epoch", "4", "--epochs", "2", "--checkpoint_every", "2", "--log_every", "1", *extra),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_records):
+    process = start_training(tmp_path, shapes_records["data_dir"])
+    deadline = time.time() + 300
+    while not os.path.exists(tmp_path / "ckpt-2.index"):
+        assert process.poll() is None, process.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = max(r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics")
+    assert 2 <= killed_at < 8
+    rerun = start_training(tmp_path, shapes_records["data_dir"])
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    log = read_log(tmp_path / "log.jsonl")
+    resumed = [r for r in log if r["event"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] >= 2 and resumed[0]["step"] % 2 == 0
+    steps_after = [r["step"] for r in log[log.index(resumed[0]):] if r["event"] == "metrics"]
+    assert steps_after == list(range(resumed[0]["step"] + 1, 9))
+    # The learning rate continues the schedule: the same at a step in either run.
+    rates = {}
+    for record in (r for r in log if r["event"] == "metrics"):
+        rates.setdefault(record["step"], set()).add(round(record["learning_rate"], 10))
+    assert all(len(values) == 1 for values in rates.values())
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-8")
+    # Rerunning a finished run trains no further.
+    again = start_training(tmp_path, shapes_records["data_dir"])
+    output, _ = again.communicate(timeout=300)
+    assert again.returncode == 0 and "already trained" in output
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, shapes_records):
+    first = start_training(tmp_path, shapes_records["data_dir"], "--epochs", "1")
+    output, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, output
+    latest = tf.train.latest_checkpoint(str(tmp_path))
+    assert latest.endswith("ckpt-4")
+    data_file = next(p for p in os.listdir(tmp_path) if p.startswith("ckpt-4.data"))
+    with open(tmp_path / data_file, "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / data_file) // 2)
+    rerun = start_training(tmp_path, shapes_records["data_dir"])
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    assert "ckpt-4 is unreadable" in output
+    resumed = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "resumed"]
+    assert resumed[-1]["step"] == 2 and resumed[-1]["checkpoint"].endswith("ckpt-2")
+
+
+def test_benchmark_prints_throughput_and_latency_percentiles(tmp_path, shapes_records):
+    result = subprocess.run(
+        main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), *SMALL_FLAGS,
+                "--benchmark", "--benchmark_steps", "4", "--use_synthetic_data"),
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    throughput = [line for line in lines if line.startswith("train throughput:")]
+    assert len(throughput) == 1 and throughput[0].endswith(" img/s")
+    record = json.loads(next(line for line in lines if line.startswith('{"benchmark"')))
+    assert record["steps"] == 4 and record["batch_size"] == 2
+    assert float(throughput[0].split()[2]) == pytest.approx(record["throughput_img_per_s"], rel=1e-3)
+    latency = record["latency_s"]
+    assert 0 < latency["p50"] <= latency["p90"] <= latency["p95"] <= latency["p99"]
+    assert not any(name.startswith("ckpt") for name in os.listdir(tmp_path))  # benchmarks leave no checkpoint
+
+
+def test_missing_training_files_are_a_clear_error(tmp_path):
+    result = subprocess.run(main_py("train", "--data_dir", str(tmp_path)), cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--data_dir" in result.stderr and "train*.tfrecord" in result.stderr
