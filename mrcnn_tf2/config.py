@@ -137,6 +137,9 @@ class ModelConfig:
     freeze_bn: bool = True
     # Block groups whose weights stay fixed: 0 = stem, 1 = first residual group (conv2_x).
     freeze_blocks: tuple[int, ...] = (0, 1)
+    # ResNet v1 (stride in the first 1x1 conv of a block, as keras.applications' ImageNet weights) instead
+    # of v1.5 (stride in the 3x3); a converted pretrained backbone sets what it needs (see weights/).
+    stride_in_1x1: bool = False
     # Build the mask branch (False gives Faster R-CNN).
     include_mask: bool = True
     # Width of the box head's two fully connected layers.

@@ -22,6 +22,7 @@ def build_model(config):
     return MaskRCNN(
         backbone=ResNet(
             depth=int(model.backbone.removeprefix("resnet")),
+            stride_in_1x1=model.stride_in_1x1,
             freeze_bn=model.freeze_bn,
             freeze_blocks=tuple(model.freeze_blocks),
         ),
