@@ -3,7 +3,12 @@
 import importlib
 import importlib.util
 import json
+import os
 import sys
+
+# TensorFlow's C++ info and warning lines (oneDNN, CUDA probing) drown the progress display; set the
+# variable to 0 to see them. It must be set before TensorFlow is first imported.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from mrcnn_tf2.arguments import check_inputs, parse
 from mrcnn_tf2.config import ConfigError

@@ -26,6 +26,8 @@ Tensors are NHWC. This module must not know about FPN levels beyond C2..C5, nor 
 import keras
 import tensorflow as tf
 
+from mrcnn_tf2.model.tracking import TracksSublayers
+
 BN_EPSILON = 1e-5
 BN_MOMENTUM = 0.9
 # Blocks per residual group (conv2_x .. conv5_x) for each supported depth.
@@ -48,7 +50,7 @@ def he_normal_fan_out():
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class ConvBN(keras.layers.Layer):
+class ConvBN(TracksSublayers, keras.layers.Layer):
     """Conv (no bias) + batch norm + optional ReLU, padding (kernel_size - 1) // 2 on each side.
 
     Holds its weights in a Conv2D sublayer named `name + '_conv'` and a BatchNormalization sublayer named
@@ -112,7 +114,7 @@ class ConvBN(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class ResidualBlock(keras.layers.Layer):
+class ResidualBlock(TracksSublayers, keras.layers.Layer):
     """One residual block, named like keras.applications ('conv3_block1'); sublayers '<name>_<i>'.
 
     Bottleneck (`bottleneck=True`): 1x1 (filters) -> 3x3 (filters) -> 1x1 (4 * filters); the block's stride
@@ -157,7 +159,7 @@ class ResidualBlock(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class ResNet(keras.Model):
+class ResNet(TracksSublayers, keras.Model):
     """ResNet backbone (v1.5 by default) returning the outputs of its four residual groups.
 
     Args:

@@ -13,6 +13,8 @@ or heads.
 import keras
 import tensorflow as tf
 
+from mrcnn_tf2.model.tracking import TracksSublayers
+
 # The backbone's finest and coarsest levels (C2 at stride 4, C5 at stride 32).
 BACKBONE_MIN_LEVEL = 2
 BACKBONE_MAX_LEVEL = 5
@@ -38,7 +40,7 @@ def _times2(dim):
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class FPN(keras.layers.Layer):
+class FPN(TracksSublayers, keras.layers.Layer):
     """Feature pyramid over ResNet features.
 
     Args:

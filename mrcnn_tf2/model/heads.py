@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.model.backbone import he_normal_fan_out
 from mrcnn_tf2.model.fpn import xavier_fill
+from mrcnn_tf2.model.tracking import TracksSublayers
 
 RPN_INIT_STDDEV = 0.01
 CLASS_INIT_STDDEV = 0.01
@@ -34,7 +35,7 @@ def _normal(stddev):
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class RPNHead(keras.layers.Layer):
+class RPNHead(TracksSublayers, keras.layers.Layer):
     """Region proposal head, one set of weights shared by all levels.
 
     A 3x3 conv (num_filters, ReLU), then two 1x1 convs: objectness (one logit per anchor) and box deltas.
@@ -90,7 +91,7 @@ class RPNHead(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class BoxHead(keras.layers.Layer):
+class BoxHead(TracksSublayers, keras.layers.Layer):
     """Fast R-CNN box head: two FC layers (ReLU), then class logits and class-specific box deltas.
 
     Args:
@@ -144,7 +145,7 @@ class BoxHead(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
-class MaskHead(keras.layers.Layer):
+class MaskHead(TracksSublayers, keras.layers.Layer):
     """Mask head: num_convs 3x3 convs (ReLU), a 2x2 stride-2 transposed conv (ReLU), 1x1 class logits.
 
     Args:

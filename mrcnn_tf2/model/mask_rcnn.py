@@ -9,12 +9,13 @@ import tensorflow as tf
 
 from mrcnn_tf2.model import losses as loss_fns
 from mrcnn_tf2.model.heads import select_class_masks
+from mrcnn_tf2.model.tracking import TracksSublayers
 
 # RoIs are pooled from P2..P5 (Mask R-CNN's level rule never reaches P6, which only feeds the RPN).
 ROI_MAX_LEVEL = 5
 
 
-class MaskRCNN(keras.Model):
+class MaskRCNN(TracksSublayers, keras.Model):
     """Mask R-CNN with a ResNet-FPN backbone.
 
     Inputs: a dict of batched tensors as `mrcnn_tf2.data.pipeline.InputPipeline` makes them:

@@ -24,6 +24,7 @@ from mrcnn_tf2.model.factory import build_model
 from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
+from weights.convert_keras_resnet import check_backbone_metadata
 
 # Exit status of a run stopped by a non-finite loss.
 EXIT_NON_FINITE = 4
@@ -148,6 +149,7 @@ class Trainer:
             logger.event("resumed", checkpoint=path, step=int(self.step.numpy()))
         elif self.config.train.backbone_checkpoint:
             # Only a new run loads pretrained weights: a resumed one has trained past them.
+            check_backbone_metadata(self.config.train.backbone_checkpoint, self.config.model)
             tf.train.Checkpoint(backbone=self.model.backbone).read(
                 self.config.train.backbone_checkpoint).assert_existing_objects_matched().expect_partial()
             logger.event("backbone loaded", checkpoint=self.config.train.backbone_checkpoint)

@@ -1,0 +1,210 @@
+"""COCO evaluation of model detections: result dicts, COCOeval statistics, a printable table.
+
+Input detections are the model's `predict_step` outputs (see `mrcnn_tf2.model.mask_rcnn.MaskRCNN`):
+boxes [ymin, xmin, ymax, xmax] float32 in pixels of the ORIGINAL image, continuous coordinates (width =
+xmax - xmin), masks [D, R, R] probabilities relative to their box (pixel-centre convention of
+`mrcnn_tf2.ops.masks`). COCO results use boxes [x, y, width, height] and masks as compressed RLE.
+
+Category ids: the TFRecord converter keeps the annotation file's category ids as labels, so a training
+class id is its COCO category id (identity mapping). Class ids that are not categories of the annotation
+file (never learned, or the empty slot 0) cannot be scored and are dropped with a warning.
+
+This module is NumPy and pycocotools only; nothing here runs in TensorFlow.
+"""
+
+import contextlib
+import io
+import warnings
+
+import numpy as np
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from mrcnn_tf2.ops.masks import paste_masks
+
+# The 12 statistics of COCOeval.summarize(), in its order.
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+IOU_TYPES = ("bbox", "segm")
+# Predicted mask probabilities at or above this are foreground (as in Mask R-CNN).
+MASK_THRESHOLD = 0.5
+
+
+def metric_key(iou_type, stat):
+    """The metrics-dict key of one statistic, e.g. ('bbox', 'AP') -> 'bbox/AP'."""
+    return f"{iou_type}/{stat}"
+
+
+def detections_to_coco(predictions, category_ids):
+    """COCO result dicts of a batch of detections, keeping the first num_detections of each image.
+
+    Args:
+      predictions: dict of NumPy arrays or tensors, as `MaskRCNN.predict_step` returns them:
+        detection_boxes [B, D, 4] float (original-image pixels, [ymin, xmin, ymax, xmax]),
+        detection_scores [B, D] float, detection_classes [B, D] int (class id = COCO category id),
+        num_detections [B] int, image_info [B, 5] float ([3:5] = original height, width),
+        source_ids [B] int (COCO image ids), and optionally detection_masks [B, D, R, R] float
+        probabilities (without it the results have no segmentation).
+      category_ids: iterable of the annotation file's category ids.
+
+    Returns:
+      list of dicts {image_id: int, category_id: int, bbox: [x, y, w, h] floats (clipped to the
+      image), score: float, segmentation: {size: [h, w], counts: str}} (segmentation only with masks),
+      in image then detection order. Detections of a class id outside `category_ids` are dropped; a
+      UserWarning says how many.
+    """
+    results, dropped = convert_detections(predictions, category_ids)
+    warn_dropped(dropped, category_ids)
+    return results
+
+
+def convert_detections(predictions, category_ids):
+    """`detections_to_coco` without the warning: returns (results, number of dropped detections)."""
+    required = ("detection_boxes", "detection_scores", "detection_classes", "num_detections", "image_info",
+                "source_ids")
+    missing = [key for key in required if key not in predictions]
+    if missing:
+        raise ValueError(f"predictions lacks {', '.join(missing)}; it must hold the predict_step outputs.")
+    known = np.array(sorted(int(c) for c in category_ids), np.int64)
+    boxes = np.asarray(predictions["detection_boxes"], np.float32)
+    scores = np.asarray(predictions["detection_scores"], np.float32)
+    classes = np.asarray(predictions["detection_classes"]).astype(np.int64)
+    counts = np.asarray(predictions["num_detections"]).astype(np.int64)
+    image_info = np.asarray(predictions["image_info"], np.float32)
+    image_ids = np.asarray(predictions["source_ids"]).astype(np.int64)
+    masks = predictions.get("detection_masks")
+    masks = None if masks is None else np.asarray(masks, np.float32)
+    if boxes.ndim != 3 or boxes.shape[-1] != 4:
+        raise ValueError(f"detection_boxes must be [B, D, 4], got shape {boxes.shape}.")
+    if np.any(counts < 0) or np.any(counts > boxes.shape[1]):
+        raise ValueError(f"num_detections must lie in [0, {boxes.shape[1]}], got {counts.tolist()}.")
+
+    results, dropped = [], 0
+    for b in range(boxes.shape[0]):
+        count = counts[b]
+        keep = np.isin(classes[b, :count], known)
+        dropped += int(count - keep.sum())
+        height, width = (int(round(v)) for v in image_info[b, 3:5])
+        image_boxes = boxes[b, :count][keep]
+        segmentations = None
+        if masks is not None:
+            segmentations = mask_utils.encode(_paste_fortran(masks[b, :count][keep], image_boxes, height, width))
+        ymin, xmin, ymax, xmax = np.split(image_boxes, 4, axis=1)
+        # The generator clips to the resized image, which can map back a fraction of a pixel outside.
+        ymin, ymax = np.clip(ymin, 0, height), np.clip(ymax, 0, height)
+        xmin, xmax = np.clip(xmin, 0, width), np.clip(xmax, 0, width)
+        xywh = np.concatenate([xmin, ymin, xmax - xmin, ymax - ymin], axis=1).tolist()
+        for i, (bbox, score, category) in enumerate(zip(xywh, scores[b, :count][keep], classes[b, :count][keep])):
+            result = {"image_id": int(image_ids[b]), "category_id": int(category), "bbox": bbox,
+                      "score": float(score)}
+            if segmentations is not None:
+                rle = segmentations[i]
+                # JSON needs text: pycocotools returns the compressed counts as ASCII bytes.
+                result["segmentation"] = {"size": [int(v) for v in rle["size"]],
+                                          "counts": rle["counts"].decode("ascii")}
+            results.append(result)
+    return results, dropped
+
+
+def _paste_fortran(masks, boxes, height, width):
+    """Thresholded masks pasted into the image as pycocotools wants them: [h, w, D] uint8, Fortran order.
+
+    Pasting the transposed problem (x for y) gives [D, w, h] in C order, which is that very memory layout:
+    no transposing copy of the D full-image masks. The unclipped boxes are the frames the masks were
+    predicted in; paste_masks clips to the image.
+    """
+    pasted = paste_masks(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold=MASK_THRESHOLD)
+    return pasted.transpose(2, 1, 0)
+
+
+def warn_dropped(dropped, category_ids):
+    """Warns (UserWarning) when `dropped` > 0 detections had a class id outside `category_ids`."""
+    if dropped:
+        warnings.warn(
+            f"dropped {dropped} detections whose class id is not a category of the annotation file "
+            f"(categories {sorted(int(c) for c in category_ids)}): the model predicts classes the "
+            f"evaluation set does not define; check --num_classes and --eval_file", stacklevel=3)
+
+
+def load_annotations(path):
+    """The pycocotools COCO object of an annotation JSON file, loaded without pycocotools' console chatter."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return COCO(path)
+
+
+def evaluate(coco_gt, results, image_ids, iou_types=IOU_TYPES):
+    """COCOeval statistics of `results` over the images `image_ids` only.
+
+    Args:
+      coco_gt: pycocotools COCO object of the ground truth.
+      results: list of COCO result dicts (`detections_to_coco`); entries need a segmentation for "segm".
+        Not modified.
+      image_ids: iterable of the evaluated image ids (images without detections count as misses).
+      iou_types: subset of ("bbox", "segm").
+
+    Returns:
+      dict {'<iou_type>/<stat>': float} for each iou type and each of STAT_NAMES (12 per type). COCO's
+      conventions hold: values in [0, 1], and -1 where a statistic is undefined (no ground truth in its
+      area range). Empty `results` give 0 for every defined statistic (no crash).
+
+    Raises:
+      ValueError: no image ids, unknown image ids or iou types, or results for images outside image_ids.
+    """
+    image_ids = sorted({int(i) for i in image_ids})
+    if not image_ids:
+        raise ValueError("image_ids is empty: there is nothing to evaluate.")
+    unknown = sorted(set(image_ids) - set(coco_gt.getImgIds()))
+    if unknown:
+        raise ValueError(f"image_ids holds ids that the annotations do not have: {unknown[:10]}.")
+    bad_types = [t for t in iou_types if t not in IOU_TYPES]
+    if bad_types or not iou_types:
+        raise ValueError(f"iou_types must be a non-empty subset of {IOU_TYPES}, got {tuple(iou_types)}.")
+    outside = sorted({r["image_id"] for r in results} - set(image_ids))
+    if outside:
+        raise ValueError(f"results hold detections of images not in image_ids: {outside[:10]}.")
+    metrics = {}
+    for iou_type in iou_types:
+        if iou_type == "segm" and any("segmentation" not in r for r in results):
+            raise ValueError("results lack 'segmentation': 'segm' needs mask detections.")
+        # loadRes adds fields to its input, and it takes a result's area from its bbox when one is
+        # present: box results go without masks, mask results without boxes (area = mask area).
+        dropped_field = "segmentation" if iou_type == "bbox" else "bbox"
+        dt = [{k: v for k, v in r.items() if k != dropped_field} for r in results]
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco_dt = coco_gt.loadRes(dt) if dt else _empty_results(coco_gt)
+            evaluator = COCOeval(coco_gt, coco_dt, iou_type)
+            evaluator.params.imgIds = image_ids
+            evaluator.evaluate()
+            evaluator.accumulate()
+            evaluator.summarize()
+        metrics.update({metric_key(iou_type, name): float(v) for name, v in zip(STAT_NAMES, evaluator.stats)})
+    return metrics
+
+
+def _empty_results(coco_gt):
+    """A result COCO object without detections (loadRes cannot make one from an empty list)."""
+    empty = COCO()
+    empty.dataset = {"images": list(coco_gt.dataset["images"]), "categories": list(coco_gt.dataset["categories"]),
+                     "annotations": []}
+    empty.createIndex()
+    return empty
+
+
+def format_table(metrics):
+    """A printable table of a metrics dict from `evaluate`: one row per statistic, one column per iou type.
+
+    Returns:
+      str, e.g.
+        metric     bbox    segm
+        AP        0.372   0.339
+        ...
+      Undefined statistics (-1) print as 'n/a'; iou types absent from `metrics` are left out.
+    """
+    iou_types = [t for t in IOU_TYPES if metric_key(t, STAT_NAMES[0]) in metrics]
+    if not iou_types:
+        raise ValueError(f"metrics holds no {IOU_TYPES} statistics (keys like 'bbox/AP'), got {sorted(metrics)}.")
+    lines = ["metric  " + "".join(f"{t:>8}" for t in iou_types)]
+    for name in STAT_NAMES:
+        values = [metrics[metric_key(t, name)] for t in iou_types]
+        lines.append(f"{name:<8}" + "".join(f"{v:8.3f}" if v >= 0 else f"{'n/a':>8}" for v in values))
+    return "\n".join(lines)

@@ -1,0 +1,227 @@
+"""`main.py eval`: COCO box and mask AP of the latest checkpoint in model_dir on the validation TFRecords.
+
+The run restores the model weights of the newest checkpoint (not the optimizer), predicts over at most
+eval.eval_samples validation images in batches of eval.eval_batch_size, turns the detections into COCO
+results (boxes [x, y, w, h] and RLE masks in original-image pixels, see `mrcnn_tf2.evaluation.coco_metrics`),
+scores them with COCOeval against eval.eval_file, prints the table, and writes two files to model_dir,
+each under a temporary name then renamed: eval_results.json (metrics, checkpoint, step, image count,
+time breakdown) and detections.json (the COCO results).
+
+`evaluate_model(model, config)` is the part training can call between epochs on its live model.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+import weakref
+
+import tensorflow as tf
+
+from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.evaluation import coco_metrics
+from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.runtime.train import set_precision
+
+# Exit status of a run that cannot start: no checkpoint, no annotation file, no validation image.
+EXIT_BAD_INPUT = 2
+RESULTS_FILE = "eval_results.json"
+DETECTIONS_FILE = "detections.json"
+
+# One traced predict function per model, so that repeated evaluations during training trace once.
+_PREDICT_FUNCTIONS = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """What one evaluation pass produced."""
+
+    metrics: dict  # {'bbox/AP': float, ...}, see coco_metrics.evaluate
+    results: list  # COCO result dicts of every evaluated image
+    num_images: int
+    time_s: dict  # seconds spent: input (reading batches), model, pasting (masks + RLE), cocoeval
+
+
+def predict_function(model, eagerly=False):
+    """`model.predict_step` as a tf.function (the eager method itself when `eagerly`), cached per model.
+
+    The returned callable maps a batch dict (images [B, H, W, 3] float32, image_info [B, 5] float32,
+    source_ids [B] int64) to the predict_step outputs (see MaskRCNN).
+    """
+    if eagerly:
+        return model.predict_step
+    function = _PREDICT_FUNCTIONS.get(model)
+    if function is None:
+        # A weak reference: the cache must not keep a discarded model (and its graph) alive.
+        model_ref = weakref.ref(model)
+        function = tf.function(lambda batch: model_ref().predict_step(batch))
+        _PREDICT_FUNCTIONS[model] = function
+    return function
+
+
+def _pad_batch(batch, batch_size):
+    """Pads a partial last batch to `batch_size` by repeating its first image: one trace, static shapes."""
+    count = int(batch["images"].shape[0])
+    if count == batch_size:
+        return batch
+    return {key: tf.concat([value, tf.repeat(value[:1], batch_size - count, axis=0)], axis=0)
+            for key, value in batch.items()}
+
+
+def run_evaluation(model, config, max_images=None, coco_gt=None):
+    """Predicts over the validation images and scores the detections with COCOeval.
+
+    Args:
+      model: a built MaskRCNN with the weights to evaluate.
+      config: the run's Config (data.validation pattern, eval.eval_batch_size, eval.eval_file, model...).
+      max_images: evaluate at most this many images (in file order); None: eval.eval_samples, and all
+        images when that is None too.
+      coco_gt: the ground truth as a pycocotools COCO object; None loads eval.eval_file.
+
+    Returns:
+      an `Evaluation`.
+
+    Raises:
+      ValueError: max_images < 1, eval.eval_file unset, no validation image, or image ids that the
+        annotation file lacks.
+    """
+    max_images = config.eval.eval_samples if max_images is None else max_images
+    if max_images is not None and max_images < 1:
+        raise ValueError(f"max_images must be >= 1 or None, got {max_images}.")
+    if coco_gt is None:
+        if not config.eval.eval_file:
+            raise ValueError("eval.eval_file is not set: pass --eval_file with the validation annotation JSON.")
+        coco_gt = coco_metrics.load_annotations(config.eval.eval_file)
+    category_ids = coco_gt.getCatIds()
+    batch_size = config.eval.eval_batch_size
+    dataset = InputPipeline(config, training=False).dataset(config.data.resolved_validation_pattern(), batch_size)
+    predict = predict_function(model, config.runtime.eagerly)
+    time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
+    results, image_ids, dropped = [], [], 0
+    batches = iter(dataset)
+    while max_images is None or len(image_ids) < max_images:
+        tic = time.perf_counter()
+        batch = next(batches, None)
+        if batch is None:
+            break
+        count = int(batch["images"].shape[0])
+        if max_images is not None:
+            count = min(count, max_images - len(image_ids))
+        toc = time.perf_counter()
+        outputs = predict(_pad_batch(batch, batch_size))
+        outputs = {key: value.numpy()[:count] for key, value in outputs.items()}  # waits for the device
+        time_s["input"] += toc - tic
+        time_s["model"] += time.perf_counter() - toc
+        tic = time.perf_counter()
+        batch_results, batch_dropped = coco_metrics.convert_detections(outputs, category_ids)
+        time_s["pasting"] += time.perf_counter() - tic
+        results += batch_results
+        dropped += batch_dropped
+        image_ids += outputs["source_ids"].tolist()
+    coco_metrics.warn_dropped(dropped, category_ids)
+    if not image_ids:
+        raise ValueError(f"no validation image in {config.data.resolved_validation_pattern()}.")
+    tic = time.perf_counter()
+    iou_types = coco_metrics.IOU_TYPES if model.mask_head is not None else ("bbox",)
+    try:
+        metrics = coco_metrics.evaluate(coco_gt, results, image_ids, iou_types)
+    except ValueError as err:
+        raise ValueError(f"the validation TFRecords do not match eval.eval_file {config.eval.eval_file}: {err}") \
+            from None
+    time_s["cocoeval"] = time.perf_counter() - tic
+    return Evaluation(metrics, results, len(image_ids), time_s)
+
+
+def evaluate_model(model, config, max_images=None, coco_gt=None):
+    """COCO metrics {'bbox/AP': float, ..., 'segm/ARl': float} of `model` (see `run_evaluation`).
+
+    For training: pass the live model; a preloaded `coco_gt` (coco_metrics.load_annotations) saves
+    reading eval.eval_file at every call. Segm metrics are absent for a model without mask branch.
+    """
+    return run_evaluation(model, config, max_images, coco_gt).metrics
+
+
+def _write_json_atomically(path, value):
+    """Writes `value` as JSON to `path` via a temporary file in the same directory, then renames it."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(value, f)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _restore(model, config, path):
+    """Builds `model`'s variables and reads the model weights of checkpoint `path`; returns its step."""
+    height, width = config.data.image_size
+    batch_size = config.eval.eval_batch_size
+    # A blank batch shaped like the evaluation batches builds the variables through the same trace that
+    # evaluation then reuses (an eager build would cost as much as that trace again).
+    predict_function(model, config.runtime.eagerly)({
+        "images": tf.zeros([batch_size, height, width, 3]),
+        "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
+        "source_ids": tf.zeros([batch_size], tf.int64),
+    })
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    # Training checkpoints also hold the optimizer, which evaluation does not need (expect_partial); every
+    # model variable must be found in it, or this would evaluate freshly initialised weights.
+    tf.train.Checkpoint(model=model, step=step).read(path).expect_partial().assert_existing_objects_matched()
+    return int(step.numpy())
+
+
+def _fail(message):
+    print(f"[eval] error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def run(config):
+    """Entry point of `main.py eval`: evaluates the latest checkpoint of runtime.model_dir; returns the exit status."""
+    model_dir = config.runtime.model_dir
+    eval_file = config.eval.eval_file
+    if not eval_file:
+        return _fail("--eval_file is required: the COCO annotation JSON of the validation images.")
+    if not os.path.isfile(eval_file):
+        return _fail(f"--eval_file {eval_file} does not exist.")
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    if checkpoint is None:
+        return _fail(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
+    total = time.perf_counter()
+    policy = set_precision(config.runtime.amp)
+    model = build_model(config)
+    try:
+        step = _restore(model, config, checkpoint)
+    except (AssertionError, ValueError, tf.errors.OpError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return _fail(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).")
+    coco_gt = coco_metrics.load_annotations(eval_file)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")  # a dropped-detections warning must show on every run
+            evaluation = run_evaluation(model, config, coco_gt=coco_gt)
+    except ValueError as err:
+        return _fail(str(err))
+    time_s = {**evaluation.time_s, "total": time.perf_counter() - total}
+    print(coco_metrics.format_table(evaluation.metrics))
+    model_s = evaluation.time_s["model"]
+    print(f"[eval] {evaluation.num_images} images, checkpoint {checkpoint} (step {step}): "
+          + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in time_s.items()), flush=True)
+    record = {
+        "metrics": evaluation.metrics,
+        "checkpoint": checkpoint,
+        "step": step,
+        "num_images": evaluation.num_images,
+        "num_detections": len(evaluation.results),
+        "eval_file": eval_file,
+        "precision": policy,
+        "time_s": time_s,
+        # Includes the first batch's tracing, so it understates the steady-state rate of short runs.
+        "model_images_per_s": evaluation.num_images / model_s if model_s > 0 else None,
+    }
+    os.makedirs(model_dir, exist_ok=True)
+    _write_json_atomically(os.path.join(model_dir, DETECTIONS_FILE), evaluation.results)
+    _write_json_atomically(os.path.join(model_dir, RESULTS_FILE), record)
+    return 0

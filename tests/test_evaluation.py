@@ -1,0 +1,313 @@
+"""COCO evaluation: detections -> COCO results against NumPy oracles, COCOeval scores of perfect, mislabelled,
+unknown-class and empty detections on non-contiguous category ids, and `main.py eval` end to end."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+
+from mrcnn_tf2.evaluation import coco_metrics
+from tests.test_train import ROOT, SMALL_FLAGS, main_py
+
+# Non-contiguous COCO category ids: class id == category id, classes 2, 4-6 and 0 are not categories.
+CATEGORY_IDS = (1, 3, 7)
+MASK_SIDE = 28
+# Detection slots per image; slots past num_detections hold valid-looking junk that must be ignored.
+SLOTS = 5
+
+
+def ellipse_mask(hw, cy, cx, ry, rx):
+    yy, xx = np.mgrid[0:hw[0], 0:hw[1]] + 0.5
+    return (((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 <= 1.0).astype(np.uint8)
+
+
+def rectangle_mask(hw, top, left, bottom, right):
+    mask = np.zeros(hw, np.uint8)
+    mask[top:bottom, left:right] = 1
+    return mask
+
+
+# (height, width) and instances (category id, full-image mask) of each image: small (< 32**2 px), medium
+# and large objects so that every area range is defined, at most one instance per category and image so
+# that perfect detections also reach AR1 = 1.
+IMAGES = {
+    11: ((120, 160), [(1, ellipse_mask((120, 160), 40, 50, 30, 40)),
+                      (7, rectangle_mask((120, 160), 90, 120, 110, 140))]),
+    12: ((150, 130), [(3, ellipse_mask((150, 130), 75, 65, 60, 55)),
+                      (1, rectangle_mask((150, 130), 5, 5, 19, 27))]),
+    13: ((90, 100), [(7, ellipse_mask((90, 100), 45, 60, 25, 30))]),
+}
+
+
+def bbox_of(mask):
+    """Tight [x, y, w, h] of a mask's pixels (pixel (r, c) covers [c, c + 1] x [r, r + 1])."""
+    rows, cols = np.nonzero(mask)
+    return [float(cols.min()), float(rows.min()),
+            float(cols.max() + 1 - cols.min()), float(rows.max() + 1 - rows.min())]
+
+
+def ground_truth():
+    """The pycocotools COCO object of IMAGES."""
+    dataset = {"images": [], "annotations": [], "categories": [{"id": c, "name": f"c{c}"} for c in CATEGORY_IDS]}
+    for image_id, ((height, width), instances) in IMAGES.items():
+        dataset["images"].append({"id": image_id, "height": height, "width": width})
+        for category, mask in instances:
+            rle = mask_utils.encode(np.asfortranarray(mask))
+            dataset["annotations"].append({
+                "id": len(dataset["annotations"]) + 1, "image_id": image_id, "category_id": category,
+                "segmentation": {"size": list(rle["size"]), "counts": rle["counts"].decode("ascii")},
+                "area": float(mask.sum()), "bbox": bbox_of(mask), "iscrowd": 0})
+    coco = COCO()
+    coco.dataset = dataset
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+    return coco
+
+
+def box_crop(mask, box, side=MASK_SIDE, subsamples=4):
+    """[side, side] mask crop of a box: each cell averages the image mask at subsamples**2 points in it."""
+    ymin, xmin, ymax, xmax = box
+    offsets = (np.arange(side * subsamples) + 0.5) / (side * subsamples)
+    rows = np.clip(np.floor(ymin + offsets * (ymax - ymin)).astype(int), 0, mask.shape[0] - 1)
+    cols = np.clip(np.floor(xmin + offsets * (xmax - xmin)).astype(int), 0, mask.shape[1] - 1)
+    points = mask[rows][:, cols].astype(np.float32)
+    return points.reshape(side, subsamples, side, subsamples).mean(axis=(1, 3))
+
+
+def perfect_predictions(image_ids=tuple(IMAGES)):
+    """A predict_step-like batch whose detections are the ground truth of `image_ids`, junk in spare slots."""
+    batch = len(image_ids)
+    out = {"detection_boxes": np.full((batch, SLOTS, 4), 5.0, np.float32),
+           "detection_scores": np.full((batch, SLOTS), 0.99, np.float32),
+           "detection_classes": np.ones((batch, SLOTS), np.int32),
+           "detection_masks": np.ones((batch, SLOTS, MASK_SIDE, MASK_SIDE), np.float32),
+           "num_detections": np.zeros(batch, np.int32),
+           "image_info": np.zeros((batch, 5), np.float32),
+           "source_ids": np.array(image_ids, np.int64)}
+    out["detection_boxes"][:, :, 2:] = 30.0
+    for b, image_id in enumerate(image_ids):
+        (height, width), instances = IMAGES[image_id]
+        out["image_info"][b] = [height * 2, width * 2, 0.5, height, width]  # only [3:5] matters here
+        out["num_detections"][b] = len(instances)
+        for d, (category, mask) in enumerate(instances):
+            x, y, w, h = bbox_of(mask)
+            box = [y, x, y + h, x + w]
+            out["detection_boxes"][b, d] = box
+            out["detection_scores"][b, d] = 0.9 - 0.1 * d
+            out["detection_classes"][b, d] = category
+            out["detection_masks"][b, d] = box_crop(mask, box)
+    return out
+
+
+def num_instances(image_ids=tuple(IMAGES)):
+    return sum(len(IMAGES[i][1]) for i in image_ids)
+
+
+@pytest.fixture(scope="module")
+def coco_gt():
+    return ground_truth()
+
+
+def test_perfect_detections_score_one_for_boxes_and_nearly_one_for_masks(coco_gt):
+    results = coco_metrics.detections_to_coco(perfect_predictions(), CATEGORY_IDS)
+    assert len(results) == num_instances()  # junk past num_detections is not reported
+    assert {r["category_id"] for r in results} == set(CATEGORY_IDS)  # identity mapping, ids kept
+    metrics = coco_metrics.evaluate(coco_gt, results, IMAGES)
+    assert len(metrics) == 24
+    for name in coco_metrics.STAT_NAMES:
+        assert metrics[f"bbox/{name}"] == pytest.approx(1.0), name
+    # The 28x28 crops lose a little of the outline when pasted back (mask IoUs 0.987 to 1 here), which
+    # stays above COCO's strictest IoU threshold 0.95: segm AP measures 1.0.
+    ious = [mask_utils.iou([result["segmentation"]], [mask_utils.encode(np.asfortranarray(mask))], [0])[0, 0]
+            for result, (_, mask) in zip(results, (i for _, instances in IMAGES.values() for i in instances))]
+    assert min(ious) >= 0.98
+    assert all(0.95 <= metrics[f"segm/{name}"] <= 1.0 for name in coco_metrics.STAT_NAMES)
+    table = coco_metrics.format_table(metrics)
+    lines = table.splitlines()
+    assert lines[0].split() == ["metric", "bbox", "segm"]
+    assert [line.split()[0] for line in lines[1:]] == list(coco_metrics.STAT_NAMES)
+    assert lines[1].split()[1] == "1.000" and lines[1].split()[2] == f"{metrics['segm/AP']:.3f}"
+
+
+def test_detection_labelled_with_another_category_is_a_miss(coco_gt):
+    predictions = perfect_predictions()
+    # Image 11's two instances (categories 1 and 7) swap labels: both become false positives.
+    predictions["detection_classes"][0, :2] = predictions["detection_classes"][0, 1::-1]
+    metrics = coco_metrics.evaluate(coco_gt, coco_metrics.detections_to_coco(predictions, CATEGORY_IDS), IMAGES)
+    # Category 1 finds 1 of 2 instances at precision 1/2 after a false positive ranked first; category 3
+    # is perfect; category 7 finds 1 of 2 ranked below a false positive: AP = mean(0.5, 1, 0.5) with
+    # COCO's 101-point interpolated precision (1/2 up to recall 0.5, 0 beyond).
+    assert metrics["bbox/AP50"] == pytest.approx((51 / 101 * 0.5 + 1.0 + 51 / 101 * 0.5) / 3, abs=1e-6)
+
+
+def test_mask_results_take_their_area_from_the_mask(coco_gt):
+    predictions = perfect_predictions()
+    # A false positive of category 1 in image 12, ranked first: a medium box (60 x 60 px) holding a
+    # small mask (about 10 x 10 px) away from every instance.
+    predictions["num_detections"][1] = 3
+    predictions["detection_boxes"][1, 2] = [60, 60, 120, 120]
+    predictions["detection_scores"][1, 2] = 0.95
+    predictions["detection_classes"][1, 2] = 1
+    predictions["detection_masks"][1, 2] = 0.0
+    predictions["detection_masks"][1, 2, :5, :5] = 1.0
+    metrics = coco_metrics.evaluate(coco_gt, coco_metrics.detections_to_coco(predictions, CATEGORY_IDS), IMAGES)
+    # Small range, category 1 (one small instance, in image 12): as a box the false positive is medium and
+    # ignored; as a mask it is small and ranks above the hit, precision 1/2. Category 7's small instance
+    # is found alone, category 3 has no small instance.
+    assert metrics["bbox/APs"] == pytest.approx(1.0)
+    assert metrics["segm/APs"] == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_unknown_class_ids_are_dropped_with_a_warning(coco_gt):
+    predictions = perfect_predictions()
+    # Image 13 gains two detections within num_detections: class 2 (no such category) and 0 (empty slot).
+    predictions["num_detections"][2] = 3
+    predictions["detection_classes"][2, 1:3] = [2, 0]
+    with pytest.warns(UserWarning, match=r"dropped 2 detections"):
+        results = coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
+    assert len(results) == num_instances()
+    assert {r["category_id"] for r in results} <= set(CATEGORY_IDS)
+    assert coco_metrics.evaluate(coco_gt, results, IMAGES)["bbox/AP"] == pytest.approx(1.0)
+
+
+def test_only_the_given_images_are_evaluated(coco_gt):
+    results = coco_metrics.detections_to_coco(perfect_predictions((11, 12)), CATEGORY_IDS)
+    assert coco_metrics.evaluate(coco_gt, results, [11, 12])["bbox/AP"] == pytest.approx(1.0)
+    # Image 13 evaluated without detections: its one category-7 instance is missed (recall 1/2 for 7).
+    both = coco_metrics.evaluate(coco_gt, results, [11, 12, 13])
+    assert both["bbox/AP"] == pytest.approx((1.0 + 1.0 + 51 / 101) / 3, abs=1e-6)
+    with pytest.raises(ValueError, match="image_ids"):
+        coco_metrics.evaluate(coco_gt, results, [11])  # results of image 12 lie outside the set
+
+
+def test_empty_detections_give_zeros(coco_gt):
+    predictions = perfect_predictions()
+    predictions["num_detections"][:] = 0
+    results = coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
+    assert results == []
+    metrics = coco_metrics.evaluate(coco_gt, results, IMAGES)
+    # Every area range has ground truth here, so every statistic is defined: all are 0.
+    assert metrics == {f"{t}/{name}": 0.0 for t in ("bbox", "segm") for name in coco_metrics.STAT_NAMES}
+    assert coco_metrics.evaluate(coco_gt, [], [13])["bbox/APs"] == -1.0  # image 13 has no small object
+    assert "n/a" in coco_metrics.format_table(coco_metrics.evaluate(coco_gt, [], [13]))
+
+
+def test_results_match_a_numpy_oracle(rng):
+    height, width = 37, 52
+    count = 4
+    boxes = np.zeros((1, SLOTS, 4), np.float32)
+    # Fractional boxes, the last one reaching past the bottom-right corner.
+    top_left = rng.uniform(0, 20, size=(count, 2))
+    sizes = rng.uniform(3, 25, size=(count, 2))
+    boxes[0, :count] = np.concatenate([top_left, top_left + sizes], axis=1)
+    boxes[0, count - 1] = [20.3, 30.6, 45.0, 60.2]
+    masks = np.zeros((1, SLOTS, MASK_SIDE, MASK_SIDE), np.float32)
+    masks[0, :count] = np.array([1.0, 0.5, 0.49, 0.9])[:, None, None]  # 0.5 is foreground, 0.49 is not
+    scores = rng.uniform(size=(1, SLOTS)).astype(np.float32)
+    predictions = {"detection_boxes": boxes, "detection_scores": scores,
+                   "detection_classes": np.full((1, SLOTS), 7, np.int32), "detection_masks": masks,
+                   "num_detections": np.array([count]), "image_info": np.array([[74, 104, 0.5, height, width]]),
+                   "source_ids": np.array([42])}
+    results = coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
+    assert len(results) == count
+    for d, result in enumerate(results):
+        ymin, xmin, ymax, xmax = boxes[0, d].astype(np.float64)
+        clipped = [min(xmin, width), min(ymin, height), min(xmax, width), min(ymax, height)]
+        assert result["image_id"] == 42 and result["category_id"] == 7
+        assert result["score"] == pytest.approx(scores[0, d])
+        np.testing.assert_allclose(result["bbox"], [clipped[0], clipped[1], clipped[2] - clipped[0],
+                                                    clipped[3] - clipped[1]], atol=1e-4)
+        assert isinstance(result["segmentation"]["counts"], str)
+        assert result["segmentation"]["size"] == [height, width]
+        decoded = mask_utils.decode({"size": [height, width], "counts": result["segmentation"]["counts"].encode()})
+        # A constant mask pastes to the pixels whose centres lie in the half-open box (or to nothing).
+        expected = np.zeros((height, width), np.uint8)
+        if masks[0, d, 0, 0] >= 0.5:
+            for r in range(height):
+                for c in range(width):
+                    expected[r, c] = ymin <= r + 0.5 < ymax and xmin <= c + 0.5 < xmax
+        np.testing.assert_array_equal(decoded, expected, err_msg=f"detection {d}")
+    assert json.loads(json.dumps(results)) == results  # JSON-ready as it is
+
+
+def test_without_masks_results_have_no_segmentation_and_score_boxes_only(coco_gt):
+    predictions = perfect_predictions()
+    del predictions["detection_masks"]
+    results = coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
+    assert all("segmentation" not in r for r in results)
+    metrics = coco_metrics.evaluate(coco_gt, results, IMAGES, iou_types=("bbox",))
+    assert set(metrics) == {f"bbox/{name}" for name in coco_metrics.STAT_NAMES}
+    assert coco_metrics.format_table(metrics).splitlines()[0].split() == ["metric", "bbox"]
+    with pytest.raises(ValueError, match="segmentation"):
+        coco_metrics.evaluate(coco_gt, results, IMAGES)
+
+
+def test_bad_arguments_raise_value_errors(coco_gt):
+    with pytest.raises(ValueError, match="image_ids is empty"):
+        coco_metrics.evaluate(coco_gt, [], [])
+    with pytest.raises(ValueError, match="image_ids .* annotations do not have: \\[99\\]"):
+        coco_metrics.evaluate(coco_gt, [], [11, 99])
+    with pytest.raises(ValueError, match="iou_types"):
+        coco_metrics.evaluate(coco_gt, [], [11], iou_types=("keypoints",))
+    predictions = perfect_predictions()
+    del predictions["num_detections"]
+    with pytest.raises(ValueError, match="num_detections"):
+        coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
+    predictions = perfect_predictions()
+    predictions["num_detections"][0] = SLOTS + 1
+    with pytest.raises(ValueError, match="num_detections"):
+        coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
+    with pytest.raises(ValueError, match="metrics"):
+        coco_metrics.format_table({})
+
+
+EVAL_FLAGS = [*SMALL_FLAGS, "--eval_batch_size", "2",
+              "--config_override", "model.rpn.test_rpn_pre_nms_topn=200",
+              "--config_override", "model.rpn.test_rpn_post_nms_topn=100",
+              "--config_override", "model.test.test_detections_per_image=10"]
+
+
+def run_main(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run(main_py(*args), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_main_eval_end_to_end(tmp_path, shapes_records):
+    data = ["--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path)]
+    trained = run_main("train", *data, *EVAL_FLAGS, "--steps_per_epoch", "2", "--epochs", "1")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    # 3 of the 5 validation images in batches of 2: the second batch is cut to one image.
+    result = run_main("eval", *data, *EVAL_FLAGS, "--eval_file", shapes_records["val_json"], "--eval_samples", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "AP50" in result.stdout and "3 images" in result.stdout
+    with open(tmp_path / "eval_results.json") as f:
+        record = json.load(f)
+    metrics = record["metrics"]
+    assert set(metrics) == {f"{t}/{name}" for t in ("bbox", "segm") for name in coco_metrics.STAT_NAMES}
+    assert all(math.isfinite(v) and -1.0 <= v <= 1.0 for v in metrics.values())
+    assert record["num_images"] == 3 and record["step"] == 2 and record["checkpoint"].endswith("ckpt-2")
+    assert set(record["time_s"]) >= {"model", "pasting", "cocoeval"}
+    with open(tmp_path / "detections.json") as f:
+        detections = json.load(f)
+    val_ids = sorted(image["id"] for image in shapes_records["annotations"]["val"]["images"])
+    assert len(detections) == record["num_detections"] <= 3 * 10
+    assert {d["image_id"] for d in detections} <= set(val_ids[:3])  # files are read in order
+    assert all(isinstance(d["segmentation"]["counts"], str) for d in detections)
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
+
+
+def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_records):
+    data = ["--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path / "empty_run")]
+    result = run_main("eval", *data, *EVAL_FLAGS, "--eval_file", shapes_records["val_json"])
+    assert result.returncode == 2
+    assert "no checkpoint" in result.stderr and str(tmp_path / "empty_run") in result.stderr
+    result = run_main("eval", *data, *EVAL_FLAGS)
+    assert result.returncode == 2 and "--eval_file is required" in result.stderr

@@ -1,0 +1,326 @@
+"""Converts keras.applications' ImageNet ResNet-50/101 weights into a checkpoint of this package's backbone.
+
+    python weights/convert_keras_resnet.py --h5 ~/.keras/models/resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5 \\
+        --output weights/resnet50 [--depth 50]
+
+Input: the weights file keras.applications.ResNet50/ResNet101 downloads (legacy Keras HDF5, with or without the
+classifier top), a full model saved as legacy .h5, or a .keras model of the same architecture. Layers are
+matched by their keras.applications names, which `mrcnn_tf2.model.backbone.ResNet` shares; the file must hold
+exactly the conv and batch-norm layers of the chosen depth (a classifier top is ignored). Nothing is downloaded.
+
+Output: a TF checkpoint of `tf.train.Checkpoint(backbone=ResNet(depth, stride_in_1x1=True))` at PREFIX
+(PREFIX.index, PREFIX.data-*), read by the trainer with `--backbone_checkpoint PREFIX`, and PREFIX.json:
+{"backbone": "resnet50", "stride_in_1x1": true, "source": <file name>, "input_mean_rgb": [...],
+"input_std_rgb": [...]}. Everything is written under a temporary prefix and renamed at the end, the index last,
+so a checkpoint that can be read is complete.
+
+Conventions of the conversion (all exact, up to float32 rounding):
+  - keras.applications is ResNet v1 (stride in a block's first 1x1 conv): the backbone is built with
+    stride_in_1x1=True, and the trainer must run with model.stride_in_1x1=true.
+  - Its convs have a bias, ours do not (BN follows): BN(conv + b) with moving mean m equals BN(conv) with
+    moving mean m - b.
+  - Its BN epsilon (1.001e-5) differs from ours: the moving variance absorbs the difference, var + eps_keras
+    - eps_ours, so that var + eps, the only way it is used, is unchanged.
+  - Its ImageNet weights expect 'caffe' input: BGR channels, minus the BGR mean, on the 0..255 scale. This
+    package's pipeline feeds RGB (pixel - IMAGENET_MEAN) / IMAGENET_STD. The first conv absorbs the difference:
+    its kernel's input channels are reversed and scaled by the std, and the mean difference becomes a bias
+    (folded into conv1's BN as above). That is exact away from the image border; within 3 pixels of it the
+    zero padding stands for a pixel of the pipeline's mean instead of the caffe mean, less than 0.5 of 255 apart.
+"""
+
+import argparse
+import json
+import os
+import sys
+import uuid
+
+import numpy as np
+
+if __package__ in (None, ""):
+    # Run as a script (python weights/convert_keras_resnet.py): make the repository root importable.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import h5py  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from mrcnn_tf2.config import ConfigError  # noqa: E402
+from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
+from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet  # noqa: E402
+
+KERAS_RESNETS = {50: keras.applications.ResNet50, 101: keras.applications.ResNet101}
+# keras.applications.imagenet_utils 'caffe' mode subtracts this mean from BGR pixels; listed here in RGB order.
+CAFFE_MEAN_RGB = (123.68, 116.779, 103.939)
+# Layers of a file with the classifier top that the backbone has no use for.
+TOP_LAYERS = frozenset({"predictions"})
+# Input side used to create the backbone's variables before assigning them (any multiple of 32 works).
+BUILD_SIDE = 64
+EXIT_BAD_INPUT = 2
+EXIT_INCOMPLETE = 1
+
+
+def conv_bn_layers(resnet):
+    """The ConvBN layers of a `ResNet`, stem first, each block's convs then its projection shortcut."""
+    layers = [resnet.stem]
+    for blocks in resnet.groups:
+        for block in blocks:
+            layers += block.convs + ([block.shortcut] if block.shortcut is not None else [])
+    return layers
+
+
+def expected_layer_names(resnet):
+    """keras.applications names of the weighted layers `resnet` takes weights from: '<ConvBN>_conv', '_bn'."""
+    return {f"{layer.name}_{part}" for layer in conv_bn_layers(resnet) for part in ("conv", "bn")}
+
+
+def check_layer_names(path, depth, names, expected):
+    """Raises ValueError naming `path` unless `names` (weighted layers of the file) are `expected` (+ a top)."""
+    missing = sorted(expected - set(names))
+    unexpected = sorted(set(names) - expected - TOP_LAYERS)
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: its layers do not match keras.applications ResNet{depth} ({len(missing)} missing, e.g. "
+            f"{missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]}); is --depth {depth} right?"
+        )
+
+
+def _h5_weighted_layer_names(path):
+    """Names of the layers with weights in a legacy Keras HDF5 file (weights-only or full model)."""
+    try:
+        with h5py.File(path, "r") as f:
+            group = f["model_weights"] if "layer_names" not in f.attrs and "model_weights" in f else f
+            if "layer_names" not in group.attrs:
+                raise ValueError(f"{path}: not a Keras weights file (no 'layer_names' attribute)")
+            names = [n.decode() if isinstance(n, bytes) else str(n) for n in group.attrs["layer_names"]]
+            return [n for n in names if len(group[n].attrs.get("weight_names", ())) > 0]
+    except (OSError, KeyError) as err:
+        raise ValueError(f"{path}: cannot read it as a Keras HDF5 weights file ({err})") from err
+
+
+def load_keras_resnet(path, depth, expected):
+    """A keras.applications ResNet{depth} holding the weights of the file at `path`.
+
+    Args:
+      path: legacy Keras .h5/.hdf5 (weights-only or full model, with or without top) or a .keras model.
+      depth: 50 or 101.
+      expected: set of layer names the file must hold (`expected_layer_names`).
+
+    Returns:
+      A keras.Model whose layers `get_layer('<name>')` gives for every name in `expected`.
+
+    Raises:
+      ValueError naming `path` when it is missing, unreadable, or its layers do not match the depth.
+    """
+    if not tf.io.gfile.exists(path):
+        raise ValueError(f"--h5 {path}: no such file")
+    if path.endswith(".keras"):
+        try:
+            model = keras.models.load_model(path, compile=False)
+        except Exception as err:  # Keras raises many types for a bad archive; all mean the same here.
+            raise ValueError(f"{path}: cannot load it as a Keras model ({err})") from err
+        check_layer_names(path, depth, [layer.name for layer in model.layers if layer.weights], expected)
+        return model
+    check_layer_names(path, depth, _h5_weighted_layer_names(path), expected)
+    model = KERAS_RESNETS[depth](weights=None, include_top=False)
+    # By name, so that a file with the classifier top loads into the model without it.
+    model.load_weights(path, by_name=True)
+    return model
+
+
+def fold_input_normalization(kernel, bias, input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD):
+    """Rewrites keras.applications' first conv for RGB input normalised as (pixel - input_mean) / input_std.
+
+    The original conv sees caffe input x_bgr[j] = pixel[2 - j] - CAFFE_MEAN_RGB[2 - j]; with
+    pixel[c] = input_std[c] * x[c] + input_mean[c], conv(x_bgr, kernel) + bias equals
+    conv(x, kernel[:, :, ::-1] * input_std) + bias + sum(kernel[:, :, ::-1] * (input_mean - CAFFE_MEAN_RGB)).
+
+    Args:
+      kernel: [KH, KW, 3, C] float, input channels in BGR order.
+      bias: [C] float.
+      input_mean, input_std: 3 floats each, RGB order, 0..255 scale.
+
+    Returns:
+      (kernel [KH, KW, 3, C] float32 for RGB input, bias [C] float32).
+    """
+    kernel = np.asarray(kernel, np.float64)
+    if kernel.ndim != 4 or kernel.shape[2] != 3:
+        raise ValueError(f"kernel: expected [KH, KW, 3, C], got shape {kernel.shape}")
+    rgb_kernel = kernel[:, :, ::-1, :]
+    std = np.asarray(input_std, np.float64).reshape(1, 1, 3, 1)
+    offset = np.asarray(input_mean, np.float64) - np.asarray(CAFFE_MEAN_RGB, np.float64)
+    new_bias = np.asarray(bias, np.float64) + np.einsum("hwcd,c->d", rgb_kernel, offset)
+    return (rgb_kernel * std).astype(np.float32), new_bias.astype(np.float32)
+
+
+def _copy_conv_bn(target, conv, bn, path, input_normalization=None):
+    """Assigns keras layers `conv` (+ bias) and `bn` to the ConvBN `target`, folding bias and epsilon into BN."""
+    kernel = np.asarray(conv.kernel, np.float32)
+    bias = np.asarray(conv.bias, np.float32) if conv.use_bias else np.zeros(kernel.shape[-1], np.float32)
+    if input_normalization is not None:
+        kernel, bias = fold_input_normalization(kernel, bias, *input_normalization)
+    channels = kernel.shape[-1]
+    values = [
+        (target.conv.kernel, kernel),
+        (target.bn.gamma, np.asarray(bn.gamma, np.float32) if bn.scale else np.ones(channels, np.float32)),
+        (target.bn.beta, np.asarray(bn.beta, np.float32) if bn.center else np.zeros(channels, np.float32)),
+        (target.bn.moving_mean, np.asarray(bn.moving_mean, np.float32) - bias),
+        (target.bn.moving_variance, np.asarray(bn.moving_variance, np.float32) + np.float32(bn.epsilon - BN_EPSILON)),
+    ]
+    for variable, value in values:
+        if tuple(variable.shape) != value.shape:
+            raise ValueError(f"{path}: {variable.path} has shape {value.shape} in the file, the backbone "
+                             f"needs {tuple(variable.shape)}")
+        variable.assign(value)
+
+
+def convert_keras_resnet(keras_model, depth, path="keras model", input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD):
+    """Our ResNet(depth, stride_in_1x1=True) with the weights of a keras.applications ResNet.
+
+    Args:
+      keras_model: keras.applications ResNet{depth} (or a model with the same layer names), built.
+      depth: 50 or 101.
+      path: names the source in errors.
+      input_mean, input_std: RGB normalisation (0..255 scale) of the images the backbone will see; the
+        pipeline's by default. CAFFE_MEAN_RGB with std (1, 1, 1) keeps keras' own input, channels reversed.
+
+    Returns:
+      A built `ResNet` (freeze_bn and freeze_blocks at their defaults; they do not affect the variables).
+    """
+    resnet = ResNet(depth, stride_in_1x1=True)
+    resnet(tf.zeros([1, BUILD_SIDE, BUILD_SIDE, 3]), training=False)
+    for layer in conv_bn_layers(resnet):
+        conv, bn = keras_model.get_layer(f"{layer.name}_conv"), keras_model.get_layer(f"{layer.name}_bn")
+        normalization = (input_mean, input_std) if layer is resnet.stem else None
+        _copy_conv_bn(layer, conv, bn, path, normalization)
+    return resnet
+
+
+def _rename_all(temporary, prefix):
+    """Renames the files `temporary`.* to `prefix`.*, the index last: until then no checkpoint is readable."""
+    files = sorted(tf.io.gfile.glob(f"{temporary}.*"), key=lambda name: name.endswith(".index"))
+    if tf.io.gfile.exists(f"{prefix}.index"):
+        # An older checkpoint at the prefix must not look complete while its data is being replaced.
+        tf.io.gfile.remove(f"{prefix}.index")
+    for name in files:
+        tf.io.gfile.rename(name, prefix + name[len(temporary):], overwrite=True)
+
+
+def _check_complete(prefix, resnet):
+    """Raises RuntimeError unless the checkpoint at `prefix` holds every variable of `resnet`.
+
+    tf.train.Checkpoint follows TF's object graph, not Keras' layer tracking: layers that only Keras tracks
+    (held in lists, with Keras 3.15) are silently left out, and a reader built the same way would not notice.
+    """
+    saved = [name for name, _ in tf.train.list_variables(prefix) if name != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    expected = len({id(variable) for variable in resnet.weights})
+    if len(saved) != expected:
+        raise RuntimeError(f"tf.train.Checkpoint(backbone=...) saved {len(saved)} of the backbone's {expected} "
+                           "variables: some of its layers are not in TF's object graph")
+
+
+def write_checkpoint(resnet, prefix, metadata):
+    """Writes tf.train.Checkpoint(backbone=resnet) at `prefix` and `metadata` to PREFIX.json, atomically.
+
+    Returns the prefix. Raises RuntimeError when the checkpoint would miss some of the backbone's variables.
+    On failure the temporary files are removed and `prefix` is left as it was.
+    """
+    directory = os.path.dirname(prefix)
+    if directory:
+        tf.io.gfile.makedirs(directory)
+    temporary = f"{prefix}.tmp-{uuid.uuid4().hex}"
+    try:
+        tf.train.Checkpoint(backbone=resnet).write(temporary)
+        _check_complete(temporary, resnet)
+        with tf.io.gfile.GFile(f"{temporary}.json", "w") as f:
+            json.dump(metadata, f, indent=2)
+        _rename_all(temporary, prefix)
+    finally:
+        for name in tf.io.gfile.glob(f"{temporary}.*"):
+            tf.io.gfile.remove(name)
+    return prefix
+
+
+def convert_file(path, prefix, depth=50):
+    """Converts the keras.applications ResNet weights at `path` into a backbone checkpoint at `prefix`.
+
+    Returns the metadata written to PREFIX.json. Raises ValueError naming the file on bad input.
+    """
+    if depth not in KERAS_RESNETS:
+        raise ValueError(f"--depth {depth}: keras.applications weights convert for depths {sorted(KERAS_RESNETS)}")
+    expected = expected_layer_names(ResNet(depth, stride_in_1x1=True))
+    keras_model = load_keras_resnet(path, depth, expected)
+    resnet = convert_keras_resnet(keras_model, depth, path)
+    metadata = {
+        "backbone": f"resnet{depth}",
+        "stride_in_1x1": True,
+        "source": os.path.basename(path),
+        "input_mean_rgb": list(IMAGENET_MEAN),
+        "input_std_rgb": list(IMAGENET_STD),
+    }
+    write_checkpoint(resnet, prefix, metadata)
+    return metadata
+
+
+def check_backbone_metadata(checkpoint_prefix, model_config):
+    """Checks that a converted backbone checkpoint suits the model config, before the trainer loads it.
+
+    Args:
+      checkpoint_prefix: the --backbone_checkpoint prefix; its PREFIX.json is read when present.
+      model_config: mrcnn_tf2.config.ModelConfig (reads .backbone and .stride_in_1x1).
+
+    Returns:
+      The metadata dict, or None when the checkpoint has no PREFIX.json (nothing to check).
+
+    Raises:
+      ConfigError (a ValueError) with key '--backbone' or 'model.stride_in_1x1' on a mismatch; ValueError
+      naming the file when PREFIX.json is unreadable or the checkpoint expects another input normalisation.
+    """
+    path = f"{checkpoint_prefix}.json"
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable backbone metadata ({err})") from err
+    if metadata.get("backbone") != model_config.backbone:
+        raise ConfigError("--backbone", f"is {model_config.backbone}, but the backbone checkpoint {checkpoint_prefix} "
+                                        f"holds {metadata.get('backbone')}")
+    if bool(metadata.get("stride_in_1x1")) != model_config.stride_in_1x1:
+        value = str(bool(metadata.get("stride_in_1x1"))).lower()
+        raise ConfigError("model.stride_in_1x1", f"is {str(model_config.stride_in_1x1).lower()}, but the backbone "
+                                                 f"checkpoint {checkpoint_prefix} needs "
+                                                 f"--config_override model.stride_in_1x1={value}")
+    for key, values in (("input_mean_rgb", IMAGENET_MEAN), ("input_std_rgb", IMAGENET_STD)):
+        if key in metadata and not np.allclose(metadata[key], values):
+            raise ValueError(f"{path}: the backbone was converted for {key} {metadata[key]}, the input pipeline "
+                             f"uses {list(values)}; convert it again")
+    return metadata
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--h5", required=True, help="keras.applications ResNet weights (.h5) or model (.h5/.keras)")
+    parser.add_argument("--output", required=True, help="checkpoint prefix to write (PREFIX.index, PREFIX.json)")
+    parser.add_argument("--depth", type=int, choices=sorted(KERAS_RESNETS), default=50, help="ResNet depth")
+    return parser
+
+
+def main(argv=None):
+    """Command-line entry; returns the exit status: 0, EXIT_BAD_INPUT when the file cannot be converted, or
+    EXIT_INCOMPLETE when the backbone's checkpoint would miss variables (nothing is written then)."""
+    args = build_parser().parse_args(argv)
+    try:
+        metadata = convert_file(args.h5, args.output, args.depth)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INCOMPLETE
+    print(f"wrote {args.output} ({metadata['backbone']}, stride_in_1x1=true) from {metadata['source']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
