@@ -8,7 +8,7 @@ import tensorflow as tf
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, IMAGENET_STD, PADDING_CLASS, PADDING_MASK
 from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.ops.anchors import rpn_targets
+from mrcnn_tf2.ops.anchors import generate_anchors, rpn_targets
 
 IMAGE_SIZE = (128, 128)
 NUM_CLASSES = 4
@@ -40,8 +40,6 @@ def synthetic_batch(model_config, objects_per_image=(2, 1)):
 
     Image b holds objects_per_image[b] objects; the batch size is len(objects_per_image).
     """
-    from mrcnn_tf2.ops.anchors import generate_anchors
-
     anchors = model_config.model.anchors
     anchor_boxes = generate_anchors(anchors.min_level, anchors.max_level, anchors.num_scales, anchors.aspect_ratios,
                                     anchors.anchor_scale, IMAGE_SIZE)

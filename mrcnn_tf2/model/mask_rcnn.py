@@ -94,24 +94,22 @@ class MaskRCNN(TracksSublayers, keras.Model):
         return outputs
 
     def _mask_branch_train(self, inputs, roi_maps, sample, training):
-        """Mask logits and targets for the foreground RoIs, gathered into F = max_foreground slots."""
-        is_foreground = sample["is_foreground"]
-        num_slots = tf.shape(is_foreground)[1]
-        # Foreground slots first, in sampler order: [B, S] -> [B, F] slot indices.
-        rank = tf.cast(is_foreground, tf.int32) * (num_slots - tf.range(num_slots))[None, :]
-        slots = tf.math.top_k(rank, k=self.roi_sampler.max_foreground, sorted=True).indices
-        fg_rois = tf.gather(sample["rois"], slots, batch_dims=1)
-        fg_classes = tf.gather(sample["class_targets"], slots, batch_dims=1)
-        fg_gt = tf.gather(sample["matched_gt_indices"], slots, batch_dims=1)
+        """Mask logits and targets for the foreground RoIs, the first F = max_foreground sampled slots.
+
+        sample_rois puts foreground slots first and never samples more than F of them, so the first F
+        slots hold every foreground RoI (and background or invalid ones after them, masked by mask_valid).
+        """
+        fg = slice(0, self.roi_sampler.max_foreground)
+        fg_rois = sample["rois"][:, fg]
+        fg_classes = sample["class_targets"][:, fg]
+        fg_gt = sample["matched_gt_indices"][:, fg]
         mask_logits = self.mask_head(self.mask_roi_aligner(roi_maps, fg_rois), training=training)
         return {
             "mask_logits": select_class_masks(mask_logits, fg_classes),
             "mask_targets": self.mask_target_generator(
-                fg_rois,
-                tf.gather(inputs["gt_boxes"], fg_gt, batch_dims=1),
-                tf.gather(inputs["gt_masks"], fg_gt, batch_dims=1),
+                fg_rois, sample["matched_gt_boxes"][:, fg], tf.gather(inputs["gt_masks"], fg_gt, batch_dims=1)
             ),
-            "mask_valid": tf.gather(is_foreground, slots, batch_dims=1),
+            "mask_valid": sample["is_foreground"][:, fg],
         }
 
     def compute_losses(self, inputs, outputs):

@@ -83,46 +83,34 @@ class Trainer:
         self.model.compile(optimizer=optimizer)
         self.optimizer = optimizer
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        self.accumulated = None
         self.keeper = None
 
     # -- the update ---------------------------------------------------------------------------------------
 
     def _build(self, batch):
-        """Creates every variable (model, optimizer slots, accumulators) so checkpoints restore eagerly."""
+        """Creates every variable (model, optimizer slots) so that checkpoints restore eagerly."""
         self.model(batch, training=True)
         self.optimizer.build(self.model.trainable_variables)
-        if self.config.train.accumulate_steps > 1:
-            self.accumulated = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.model.trainable_variables]
 
     def _update_fn(self):
         """tf.function(batches) -> losses averaged over the accumulate_steps batches, after one update.
 
-        With accumulation, each batch's gradients (of loss / accumulate_steps) are summed into
-        accumulators and applied once: the update equals one on a batch accumulate_steps times larger.
+        Each batch's gradients (of loss / accumulate_steps) are summed and applied once: the update equals
+        one on a batch accumulate_steps times larger. The batches are unrolled in one function, so the sum
+        is of tensors and needs no accumulator variables.
         """
         model, optimizer = self.model, self.optimizer
         count = self.config.train.accumulate_steps
-        variables = model.trainable_variables
 
         def update(batches):
-            if count == 1:
-                losses, gradients = model.compute_gradients(batches[0])
-            else:
-                total = None
-                for batch in batches:  # static length: unrolled
-                    batch_losses, batch_gradients = model.compute_gradients(batch, 1.0 / count)
-                    for accumulator, gradient in zip(self.accumulated, batch_gradients):
-                        accumulator.assign_add(gradient)
-                    total = batch_losses if total is None else {k: total[k] + v for k, v in batch_losses.items()}
-                losses = {k: v / count for k, v in total.items()}
-                gradients = [accumulator.read_value() for accumulator in self.accumulated]
-            optimizer.apply_gradients(zip(gradients, variables))
-            if self.accumulated is not None:
-                for accumulator in self.accumulated:
-                    accumulator.assign(tf.zeros_like(accumulator))
+            losses, gradients = model.compute_gradients(batches[0], 1.0 / count)
+            for batch in batches[1:]:
+                batch_losses, batch_gradients = model.compute_gradients(batch, 1.0 / count)
+                losses = {name: value + batch_losses[name] for name, value in losses.items()}
+                gradients = [total + gradient for total, gradient in zip(gradients, batch_gradients)]
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
             self.step.assign_add(1)
-            return losses
+            return {name: value / count for name, value in losses.items()}
 
         if self.config.runtime.eagerly:
             return update
