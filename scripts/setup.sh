@@ -20,4 +20,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
+# Fused C++ ops (ops/build/libmrcnn_ops.so); ops/build.sh keeps its own stamp of sources + TF version.
+bash ops/build.sh "$VENV/bin/python"
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"

@@ -7,15 +7,22 @@ from mrcnn_tf2.model.mask_rcnn import MaskRCNN
 from mrcnn_tf2.model.stages import (DetectionGenerator, MaskTargetGenerator, ProposalGenerator, RoIAligner,
                                     RoISampler)
 from mrcnn_tf2.ops.anchors import generate_anchors
+from mrcnn_tf2.ops.fused import use_fused
 
 # RoIAlign output sides of the box and mask heads (Mask R-CNN paper); the mask head doubles the latter.
 BOX_ROI_SIZE = 7
 MASK_ROI_SIZE = 14
 
 
-def build_model(config):
-    """A MaskRCNN for `config` (a mrcnn_tf2.config.Config), with freshly initialised weights."""
+def build_model(config, export=False):
+    """A MaskRCNN for `config` (a mrcnn_tf2.config.Config), with freshly initialised weights.
+
+    The non-learned stages run the fused C++ ops as `runtime.custom_ops` says, except under `runtime.xla`
+    (a custom op cannot be XLA-compiled) and with `export=True`: an exported SavedModel must load without
+    the ops library. Raises `fused.CustomOpsUnavailable` when custom_ops is 'on' and the library is unusable.
+    """
     model, data = config.model, config.data
+    fused = not export and use_fused(config.runtime.custom_ops, xla=config.runtime.xla)
     anchors, rpn, roi = model.anchors, model.rpn, model.roi
     if model.mrcnn_resolution != 2 * MASK_ROI_SIZE:
         raise ValueError(f"mrcnn_resolution {model.mrcnn_resolution}: the mask head outputs {2 * MASK_ROI_SIZE}")
@@ -47,8 +54,8 @@ def build_model(config):
             bg_thresh_lo=roi.bg_thresh_lo,
             bbox_reg_weights=tuple(model.bbox_reg_weights),
         ),
-        box_roi_aligner=RoIAligner(BOX_ROI_SIZE),
-        mask_roi_aligner=RoIAligner(MASK_ROI_SIZE),
+        box_roi_aligner=RoIAligner(BOX_ROI_SIZE, fused=fused),
+        mask_roi_aligner=RoIAligner(MASK_ROI_SIZE, fused=fused),
         mask_target_generator=MaskTargetGenerator(model.mrcnn_resolution),
         detection_generator=DetectionGenerator(
             max_detections=model.test.test_detections_per_image,

@@ -1,11 +1,14 @@
 """The non-learned stages of Mask R-CNN: objects that bind an op to its parameters.
 
 The model receives these as parts, like its layers, so that `call` reads as the pipeline and the factory
-alone maps config to parameters. They hold no weights and must not read the config.
+alone maps config to parameters. They hold no weights and must not read the config. Stages with a fused
+C++ op take `fused`: True runs `mrcnn_tf2.ops.fused`, False the pure-TF twin (same signature and result);
+the factory decides (`fused.use_fused`).
 
 Glossary: B batch, P proposals, S sampled RoIs, F foreground RoI slots, D detections, K classes.
 """
 
+from mrcnn_tf2.ops import fused as fused_ops
 from mrcnn_tf2.ops import masks, postprocess, roi_align, roi_ops, sampling
 
 
@@ -43,13 +46,15 @@ class RoISampler:
 class RoIAligner:
     """Multilevel RoIAlign at a fixed output size (`multilevel_roi_align`)."""
 
-    def __init__(self, output_size, sampling_ratio=2):
+    def __init__(self, output_size, sampling_ratio=2, fused=False):
         self.output_size = output_size
         self.sampling_ratio = sampling_ratio
+        self.fused = fused
+        self._align = fused_ops.multilevel_roi_align if fused else roi_align.multilevel_roi_align
 
     def __call__(self, features, boxes):
         """{level: [B,H_l,W_l,C]}, [B,N,4] -> [B,N,output_size,output_size,C]."""
-        return roi_align.multilevel_roi_align(features, boxes, self.output_size, self.sampling_ratio)
+        return self._align(features, boxes, self.output_size, self.sampling_ratio)
 
 
 class MaskTargetGenerator:

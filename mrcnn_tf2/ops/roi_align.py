@@ -126,6 +126,24 @@ def _check_features(features):
     return levels, features
 
 
+def check_arguments(features, boxes, output_size, sampling_ratio):
+    """Validate ``multilevel_roi_align``'s arguments (shared with its fused twin).
+
+    Returns:
+      (sorted levels, {level: tensor}, boxes as a [B, N, 4] float32 tensor without gradient).
+    """
+    levels, features = _check_features(features)
+    if not isinstance(output_size, int) or output_size < 1:
+        raise ValueError(f"output_size must be a positive int, got {output_size!r}.")
+    if not isinstance(sampling_ratio, int) or sampling_ratio < 1:
+        raise ValueError(f"sampling_ratio must be a positive int, got {sampling_ratio!r}.")
+    boxes = tf.stop_gradient(tf.convert_to_tensor(boxes, dtype=tf.float32))
+    box_ops.check_last_dim(boxes, 4, "boxes")
+    if boxes.shape.rank != 3:
+        raise ValueError(f"boxes must be [B, N, 4], got shape {boxes.shape}.")
+    return levels, features, boxes
+
+
 def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
     """RoIAlign of each box from its FPN level (see the module docstring for the exact sampling).
 
@@ -140,15 +158,7 @@ def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
       [B, N, R, R, C] in the features' dtype. Padded and empty boxes give finite values (read from the
       lowest level). Differentiable w.r.t. ``features``; no gradient reaches ``boxes``.
     """
-    levels, features = _check_features(features)
-    if not isinstance(output_size, int) or output_size < 1:
-        raise ValueError(f"output_size must be a positive int, got {output_size!r}.")
-    if not isinstance(sampling_ratio, int) or sampling_ratio < 1:
-        raise ValueError(f"sampling_ratio must be a positive int, got {sampling_ratio!r}.")
-    boxes = tf.stop_gradient(tf.convert_to_tensor(boxes, dtype=tf.float32))
-    box_ops.check_last_dim(boxes, 4, "boxes")
-    if boxes.shape.rank != 3:
-        raise ValueError(f"boxes must be [B, N, 4], got shape {boxes.shape}.")
+    levels, features, boxes = check_arguments(features, boxes, output_size, sampling_ratio)
     dtype = features[levels[0]].dtype
     channels = features[levels[0]].shape[-1]
 

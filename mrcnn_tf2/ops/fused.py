@@ -1,0 +1,147 @@
+"""Fused C++ custom ops (``ops/build/libmrcnn_ops.so``) behind the signatures of their pure-TF twins.
+
+Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2.ops`` and returns the
+same result (to float rounding); the argument checks are the twin's own. The C++ sources are in ``ops/``,
+built by ``ops/build.sh`` (which ``scripts/setup.sh`` runs).
+
+``use_fused(mode, xla)`` is the one place that decides which implementation runs: 'off' -> twins;
+'auto' -> fused when the library loads, else one warning and twins; 'on' -> fused, or
+``CustomOpsUnavailable`` naming the library and the reason. Under XLA the twins always run: a custom
+op cannot be compiled into an XLA cluster. Exported SavedModels must use the twins too, so that they
+load without the library (the factory's ``export`` argument).
+
+This module must not read the config; the factory passes the decision to the stage objects.
+"""
+import json
+import os
+import threading
+import warnings
+
+import tensorflow as tf
+
+from mrcnn_tf2.ops import roi_align
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Where ops/build.sh puts the library, and the JSON it writes next to it ({"tensorflow": version}).
+LIBRARY_PATH = os.path.join(_REPO_ROOT, "ops", "build", "libmrcnn_ops.so")
+BUILD_INFO_NAME = "BUILD_INFO.json"
+
+MODES = ("auto", "on", "off")
+
+
+class CustomOpsUnavailable(RuntimeError):
+    """The fused-op library cannot be used (missing, built for another TensorFlow, or failed to load)."""
+
+
+_lock = threading.Lock()
+_library = None  # the loaded op module, once loaded
+_load_error = None  # the CustomOpsUnavailable of a failed load, kept so that it is not retried
+_warned = False
+
+
+def _load(path):
+    """Load the library at ``path`` after checking it was built for this TensorFlow; raise with the reason."""
+    if not os.path.exists(path):
+        raise CustomOpsUnavailable(f"fused-op library {path} is missing: build it with ops/build.sh "
+                                   "(scripts/setup.sh does), or use --custom_ops off")
+    info_path = os.path.join(os.path.dirname(path), BUILD_INFO_NAME)
+    try:
+        with open(info_path) as f:
+            built_for = json.load(f)["tensorflow"]
+    except (OSError, ValueError, KeyError) as error:
+        raise CustomOpsUnavailable(f"fused-op library {path}: cannot read {info_path} ({error}); rebuild it "
+                                   "with ops/build.sh") from error
+    # A custom op compiled against another TF's headers can crash the process: refuse before loading it.
+    if built_for != tf.__version__:
+        raise CustomOpsUnavailable(f"fused-op library {path} was built for tensorflow {built_for}, this is "
+                                   f"{tf.__version__}: rebuild it with ops/build.sh")
+    try:
+        return tf.load_op_library(path)
+    except Exception as error:  # tf raises NotFoundError / InvalidArgumentError / OSError variants
+        raise CustomOpsUnavailable(f"fused-op library {path} failed to load: {error}") from error
+
+
+def load_library():
+    """The loaded op module; raises ``CustomOpsUnavailable`` (once, then the same error again)."""
+    global _library, _load_error
+    with _lock:
+        if _library is None and _load_error is None:
+            try:
+                _library = _load(LIBRARY_PATH)
+            except CustomOpsUnavailable as error:
+                _load_error = error
+        if _load_error is not None:
+            raise _load_error
+        return _library
+
+
+def use_fused(mode, xla=False):
+    """Whether to run the fused ops, for ``--custom_ops`` ``mode`` ('auto', 'on' or 'off') and ``--xla``.
+
+    Raises:
+      ValueError: unknown mode.
+      CustomOpsUnavailable: mode 'on' and the library cannot be used (the message says why).
+    """
+    global _warned
+    if mode not in MODES:
+        raise ValueError(f"custom ops mode must be one of {MODES}, got {mode!r}.")
+    if mode == "off" or xla:
+        return False
+    if mode == "on":
+        load_library()
+        return True
+    try:
+        load_library()
+        return True
+    except CustomOpsUnavailable as error:
+        if not _warned:
+            _warned = True
+            warnings.warn(f"{error}; using the pure-TF ops instead", RuntimeWarning, stacklevel=2)
+        return False
+
+
+def _reset_for_tests():
+    """Forget the loaded library, the load error and the warning (tests change LIBRARY_PATH)."""
+    global _library, _load_error, _warned
+    with _lock:
+        _library, _load_error, _warned = None, None, False
+
+
+# -- RoIAlign ---------------------------------------------------------------------------------------------
+
+def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
+    """Fused ``roi_align.multilevel_roi_align``: same arguments, result and gradient (see its docstring).
+
+    Args:
+      features: {level: [B, H_l, W_l, C]} consecutive levels, one float dtype.
+      boxes: [B, N, 4] float32 [ymin, xmin, ymax, xmax] in input pixels; padded rows all -1.
+      output_size: int R; sampling_ratio: int s.
+
+    Returns:
+      [B, N, R, R, C] in the features' dtype; differentiable w.r.t. the features only.
+    """
+    levels, features, boxes = roi_align.check_arguments(features, boxes, output_size, sampling_ratio)
+    dtype = features[levels[0]].dtype
+    # The twin's own level rule, so that every box reads the same level in both implementations.
+    level_index = roi_align.assign_levels(boxes, levels[0], levels[-1]) - levels[0]
+    # The kernel is float32-only; casting here is what the twin does too (float32 arithmetic whatever the
+    # features' dtype), and the casts' gradients bring the float32 feature gradient back to the dtype.
+    pooled = load_library().mrcnn_roi_align(
+        [tf.cast(features[level], tf.float32) for level in levels], boxes, level_index,
+        min_level=levels[0], output_size=output_size, sampling_ratio=sampling_ratio)
+    return tf.cast(pooled, dtype)
+
+
+@tf.RegisterGradient("MrcnnRoiAlign")
+def _roi_align_grad(op, grad):
+    """Feature gradients by the C++ scatter kernel; boxes and levels get none (the twin stops them too)."""
+    num_levels = op.get_attr("num_levels")
+    features = op.inputs[:num_levels]
+    boxes, levels = op.inputs[num_levels], op.inputs[num_levels + 1]
+    sizes = tf.stack([tf.shape(feature)[1:3] for feature in features])  # [L, 2]
+    grads = load_library().mrcnn_roi_align_grad(
+        grad, boxes, levels, sizes, num_levels=num_levels, min_level=op.get_attr("min_level"),
+        sampling_ratio=op.get_attr("sampling_ratio"))
+    for feature_grad, feature in zip(grads, features):
+        feature_grad.set_shape(feature.shape)
+    return list(grads) + [None, None]

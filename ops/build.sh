@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds the fused custom ops into ops/build/libmrcnn_ops.so with the flags of the installed TensorFlow.
+# Idempotent: the stamp holds a hash of the sources, this script and the TF version, so an unchanged
+# tree is not rebuilt. BUILD_INFO.json records the TF version the library was built for, which the loader
+# (mrcnn_tf2/ops/fused.py) compares with the running one: a custom op built against another TF may crash.
+# Usage: ops/build.sh [python]   (default: .venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${1:-.venv/bin/python}
+OUT=ops/build
+LIB=$OUT/libmrcnn_ops.so
+SOURCES=(ops/*.cc)
+
+# The stamp needs only the installed TF version, read without importing TensorFlow (seconds saved).
+dist_version=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("tensorflow"))')
+want=$(cat "${SOURCES[@]}" ops/*.h ops/build.sh | sha256sum | cut -d' ' -f1)-$dist_version
+if [ -f "$LIB" ] && [ "$(cat "$OUT/.stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+
+tf_info=$("$PYTHON" -c '
+import tensorflow as tf
+print(tf.__version__)
+print(" ".join(tf.sysconfig.get_compile_flags()))
+print(" ".join(tf.sysconfig.get_link_flags()))' 2>/dev/null)
+tf_version=$(sed -n 1p <<<"$tf_info")
+compile_flags=$(sed -n 2p <<<"$tf_info")
+link_flags=$(sed -n 3p <<<"$tf_info")
+
+mkdir -p "$OUT"
+echo "[build] compiling ${#SOURCES[@]} sources into $LIB (tensorflow $tf_version)"
+# -O3 without -march=native: the library must run on any x86-64 the venv runs on (e.g. in Docker).
+# Objects compile in parallel; each is a few seconds.
+pids=()
+objects=()
+for src in "${SOURCES[@]}"; do
+  obj=$OUT/$(basename "${src%.cc}").o
+  objects+=("$obj")
+  # shellcheck disable=SC2086
+  g++ -O3 -std=c++17 -fPIC -Wall -Wno-sign-compare -Wno-deprecated-declarations -Wno-interference-size $compile_flags -c "$src" -o "$obj" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+# Link to a temporary name, then rename: a half-written library is never loaded.
+# shellcheck disable=SC2086
+g++ -shared -O3 "${objects[@]}" -o "$LIB.tmp" $link_flags
+mv "$LIB.tmp" "$LIB"
+printf '{"tensorflow": "%s", "sources_sha256": "%s"}\n' "$tf_version" "${want%-*}" > "$OUT/BUILD_INFO.json"
+echo "$want" > "$OUT/.stamp"

@@ -1,0 +1,198 @@
+"""Fused C++ ops against their pure-TF twins (and the NumPy oracles of the twins' tests), and the loader.
+
+The suite's set-up (make test -> scripts/setup.sh -> ops/build.sh) builds the library, so these tests
+require it to load instead of skipping: a skip would hide a broken build.
+"""
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.ops import fused, roi_align
+from tests.test_model import small_config, synthetic_batch
+from tests.test_roi_align import np_roi_align, random_boxes, random_pyramid
+
+
+@pytest.fixture(autouse=True, scope="module")
+def library():
+    """Every test here needs the built library; a failure says why (missing, wrong TF, load error)."""
+    return fused.load_library()
+
+
+# -- loader ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def missing_library(monkeypatch, tmp_path):
+    """The loader pointed at a path with no library; its cached state is restored afterwards."""
+    fused._reset_for_tests()
+    monkeypatch.setattr(fused, "LIBRARY_PATH", str(tmp_path / "libmrcnn_ops.so"))
+    yield str(tmp_path / "libmrcnn_ops.so")
+    fused._reset_for_tests()
+
+
+def test_auto_falls_back_with_one_warning(missing_library):
+    with pytest.warns(RuntimeWarning, match="missing") as record:
+        assert fused.use_fused("auto") is False
+    assert missing_library in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fused.use_fused("auto") is False  # no second warning
+
+
+def test_on_raises_naming_the_library(missing_library):
+    with pytest.raises(fused.CustomOpsUnavailable, match="missing") as error:
+        fused.use_fused("on")
+    assert missing_library in str(error.value)
+
+
+def test_on_refuses_a_library_built_for_another_tensorflow(monkeypatch, tmp_path):
+    fake = tmp_path / "libmrcnn_ops.so"
+    fake.write_bytes(b"not a library")
+    (tmp_path / fused.BUILD_INFO_NAME).write_text('{"tensorflow": "2.0.0"}')
+    fused._reset_for_tests()
+    monkeypatch.setattr(fused, "LIBRARY_PATH", str(fake))
+    try:
+        with pytest.raises(fused.CustomOpsUnavailable, match="built for tensorflow 2.0.0"):
+            fused.use_fused("on")
+        (tmp_path / fused.BUILD_INFO_NAME).write_text(f'{{"tensorflow": "{tf.__version__}"}}')
+        fused._reset_for_tests()
+        with pytest.raises(fused.CustomOpsUnavailable, match="failed to load"):
+            fused.use_fused("on")
+    finally:
+        fused._reset_for_tests()
+
+
+def test_off_xla_and_bad_modes():
+    assert fused.use_fused("off") is False
+    assert fused.use_fused("on", xla=True) is False
+    assert fused.use_fused("on") is True and fused.use_fused("auto") is True
+    with pytest.raises(ValueError, match="mode"):
+        fused.use_fused("yes")
+
+
+def test_factory_passes_the_choice_to_the_stages():
+    config = small_config()
+    for mode, xla, export, want in [("on", False, False, True), ("off", False, False, False),
+                                    ("on", True, False, False), ("auto", False, True, False)]:
+        config.runtime.custom_ops, config.runtime.xla = mode, xla
+        model = build_model(config, export=export)
+        assert model.box_roi_aligner.fused is want and model.mask_roi_aligner.fused is want
+
+
+# -- RoIAlign ----------------------------------------------------------------------------------------------
+
+def both_roi_align(features, boxes, output_size, sampling_ratio=2):
+    return (fused.multilevel_roi_align(features, boxes, output_size, sampling_ratio),
+            roi_align.multilevel_roi_align(features, boxes, output_size, sampling_ratio))
+
+
+def edge_case_boxes(rng, image_hw):
+    """[2, 10, 4]: random boxes, boxes past and wholly outside the image, empty, inverted and padded."""
+    boxes = random_boxes(rng, 2, 10, image_hw, margin=16.0)
+    boxes[0, 0] = [-50.0, -60.0, -10.0, -20.0]  # wholly outside (top left)
+    boxes[0, 1] = [image_hw[0] + 5.0, 0.0, image_hw[0] + 40.0, 30.0]  # wholly below
+    boxes[0, 2] = [10.0, 10.0, 10.0, 10.0]  # empty
+    boxes[0, 3] = [20.0, 30.0, 12.0, 5.0]  # inverted
+    boxes[1, 5:] = -1.0  # padding
+    boxes[1, 0] = [-30.0, -30.0, 200.0, 250.0]  # large: a high level
+    return boxes
+
+
+@pytest.mark.parametrize("output_size, sampling_ratio", [(3, 2), (4, 1), (2, 3)])
+def test_roi_align_matches_twin_and_oracle(rng, output_size, sampling_ratio):
+    image_hw = (64, 96)
+    features = random_pyramid(rng, 2, image_hw, (2, 3, 4), 5)
+    boxes = edge_case_boxes(rng, image_hw)
+    got, want = both_roi_align(features, boxes, output_size, sampling_ratio)
+    assert got.shape == want.shape == (2, 10, output_size, output_size, 5) and got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+    oracle = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, output_size,
+                          sampling_ratio)
+    np.testing.assert_allclose(got.numpy(), oracle, atol=1e-4)
+
+
+def test_roi_align_no_boxes_all_padding_and_an_empty_level(rng):
+    features = random_pyramid(rng, 2, (64, 64), (2, 3, 4, 5), 3)
+    got, want = both_roi_align(features, np.zeros((2, 0, 4), np.float32), 7)
+    assert got.shape == (2, 0, 7, 7, 3)
+    padded = np.full((2, 4, 4), -1.0, np.float32)
+    got, want = both_roi_align(features, padded, 7)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+    # Small boxes only: levels 3..5 receive no box.
+    small = random_boxes(rng, 2, 6, (64, 64), margin=0.0) / 4.0
+    assert roi_align.assign_levels(small, 2, 5).numpy().max() == 2
+    got, want = both_roi_align(features, small, 7)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+
+
+def test_roi_align_gradient_matches_twin(rng):
+    image_hw = (64, 96)
+    features = {k: tf.constant(v) for k, v in random_pyramid(rng, 2, image_hw, (2, 3, 4), 6).items()}
+    boxes = edge_case_boxes(rng, image_hw)
+    upstream = tf.constant(rng.normal(size=(2, 10, 3, 3, 6)).astype(np.float32))
+    grads = []
+    for fn in (fused.multilevel_roi_align, roi_align.multilevel_roi_align):
+        with tf.GradientTape() as tape:
+            tape.watch(features)
+            loss = tf.reduce_sum(fn(features, boxes, 3, 2) * upstream)
+        grads.append(tape.gradient(loss, features))
+    for level in features:
+        got = tf.convert_to_tensor(grads[0][level]).numpy()
+        want = tf.convert_to_tensor(grads[1][level]).numpy()
+        assert got.shape == features[level].shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_roi_align_bfloat16_and_inside_tf_function(rng):
+    features = {k: tf.cast(v, tf.bfloat16) for k, v in random_pyramid(rng, 1, (64, 64), (2, 3), 4).items()}
+    boxes = tf.constant(random_boxes(rng, 1, 5, (64, 64)))
+
+    @tf.function
+    def value_and_grad(fn):
+        with tf.GradientTape() as tape:
+            tape.watch(features)
+            out = fn(features, boxes, 3)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+        return out, tape.gradient(loss, features)
+
+    (got, got_grad), (want, want_grad) = [value_and_grad(fn) for fn in (fused.multilevel_roi_align,
+                                                                         roi_align.multilevel_roi_align)]
+    assert got.dtype == tf.bfloat16 and got_grad[2].dtype == tf.bfloat16
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), tf.cast(want, tf.float32).numpy(), atol=2e-2,
+                               rtol=1e-2)
+    for level in features:
+        np.testing.assert_allclose(tf.cast(got_grad[level], tf.float32).numpy(),
+                                   tf.cast(tf.convert_to_tensor(want_grad[level]), tf.float32).numpy(),
+                                   atol=3e-2, rtol=2e-2)
+
+
+def test_roi_align_bad_arguments_are_the_twins():
+    with pytest.raises(ValueError, match="sampling_ratio"):
+        fused.multilevel_roi_align({2: np.zeros((1, 4, 4, 1), np.float32)}, np.zeros((1, 3, 4), np.float32), 2, 0)
+
+
+# -- the whole model -----------------------------------------------------------------------------------------
+
+def losses_and_gradients(config, batch, mode):
+    config.runtime.custom_ops = mode
+    keras.utils.set_random_seed(0)
+    model = build_model(config)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    keras.utils.set_random_seed(1)  # the same RoI sampling draws in both runs
+    losses, grads = model.compute_gradients(batch)
+    return {k: float(v) for k, v in losses.items()}, [tf.convert_to_tensor(g).numpy() for g in grads]
+
+
+def test_train_step_with_fused_ops_equals_twins():
+    config = small_config()
+    batch = synthetic_batch(config)
+    on_losses, on_grads = losses_and_gradients(config, batch, "on")
+    off_losses, off_grads = losses_and_gradients(config, batch, "off")
+    assert on_losses.keys() == off_losses.keys()
+    for name in on_losses:
+        assert on_losses[name] == pytest.approx(off_losses[name], rel=1e-4, abs=1e-5), name
+    for got, want in zip(on_grads, off_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, np.abs(want).max()))
