@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.ops import fused, roi_align
+from mrcnn_tf2.ops import fused, masks, roi_align
+from tests.test_masks import np_mask_target
 from tests.test_model import small_config, synthetic_batch
 from tests.test_roi_align import np_roi_align, random_boxes, random_pyramid
 
@@ -79,7 +80,8 @@ def test_factory_passes_the_choice_to_the_stages():
                                     ("on", True, False, False), ("auto", False, True, False)]:
         config.runtime.custom_ops, config.runtime.xla = mode, xla
         model = build_model(config, export=export)
-        assert model.box_roi_aligner.fused is want and model.mask_roi_aligner.fused is want
+        stages = (model.box_roi_aligner, model.mask_roi_aligner, model.mask_target_generator)
+        assert [stage.fused for stage in stages] == [want] * len(stages)
 
 
 # -- RoIAlign ----------------------------------------------------------------------------------------------
@@ -172,6 +174,51 @@ def test_roi_align_bfloat16_and_inside_tf_function(rng):
 def test_roi_align_bad_arguments_are_the_twins():
     with pytest.raises(ValueError, match="sampling_ratio"):
         fused.multilevel_roi_align({2: np.zeros((1, 4, 4, 1), np.float32)}, np.zeros((1, 3, 4), np.float32), 2, 0)
+
+
+# -- mask targets ------------------------------------------------------------------------------------------
+
+def random_mask_target_inputs(rng, batch, num, crop_size):
+    """Matched RoIs and GT boxes with crops, including padding, empty, inverted and outside boxes."""
+    gt = np.sort(rng.uniform(-10, 90, size=(batch, num, 2, 2)), axis=2)
+    gt_boxes = np.stack([gt[..., 0, 0], gt[..., 0, 1], gt[..., 1, 0] + 1, gt[..., 1, 1] + 1], -1).astype(np.float32)
+    rois = gt_boxes + rng.uniform(-8, 8, size=gt_boxes.shape).astype(np.float32)
+    crops = rng.uniform(0, 1, size=(batch, num, crop_size, crop_size)).astype(np.float32)
+    rois[0, 0] = -1.0  # padded RoI
+    gt_boxes[0, 1] = -1.0  # padded GT
+    crops[0, 1] = -1.0
+    gt_boxes[0, 2] = [20.0, 20.0, 20.0, 40.0]  # empty GT box
+    rois[0, 3] = [30.0, 30.0, 10.0, 10.0]  # inverted RoI
+    rois[0, 4] = [-40.0, -40.0, -20.0, -20.0]  # RoI outside the image
+    gt_boxes[0, 5] = rois[0, 5] = [-4.0, -4.0, 30.0, 30.0]  # past the corner, GT and RoI alike
+    return rois, gt_boxes, crops
+
+
+@pytest.mark.parametrize("output_size, crop_size", [(28, 14), (7, 12), (1, 5), (4, 1)])
+def test_mask_targets_bit_equal_to_twin_and_oracle(rng, output_size, crop_size):
+    rois, gt_boxes, crops = random_mask_target_inputs(rng, 2, 12, crop_size)
+    got = fused.mask_targets(rois, gt_boxes, crops, output_size).numpy()
+    want = masks.mask_targets(rois, gt_boxes, crops, output_size).numpy()
+    assert got.shape == (2, 12, output_size, output_size) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    assert 0 < got.sum() < got.size
+    for b in range(2):
+        for n in range(12):
+            if rois[b, n].max() < 0:
+                continue  # padding: all zeros, checked above through the twin
+            values = np_mask_target(rois[b, n], gt_boxes[b, n], crops[b, n], output_size)
+            decided = np.abs(values - 0.5) >= 1e-4
+            np.testing.assert_array_equal(got[b, n][decided], (values >= 0.5)[decided])
+
+
+def test_mask_targets_no_rois_bfloat16_crops_and_tf_function(rng):
+    empty = np.zeros((2, 0, 4), np.float32)
+    assert fused.mask_targets(empty, empty, np.zeros((2, 0, 6, 6), np.float32), 8).shape == (2, 0, 8, 8)
+    rois, gt_boxes, crops = random_mask_target_inputs(rng, 2, 8, 6)
+    fn = tf.function(fused.mask_targets, reduce_retracing=True)
+    got = fn(rois, gt_boxes, tf.constant(crops, tf.bfloat16), 14).numpy()
+    want = masks.mask_targets(rois, gt_boxes, tf.constant(crops, tf.bfloat16), 14).numpy()
+    np.testing.assert_array_equal(got, want)
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

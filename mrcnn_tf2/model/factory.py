@@ -56,7 +56,7 @@ def build_model(config, export=False):
         ),
         box_roi_aligner=RoIAligner(BOX_ROI_SIZE, fused=fused),
         mask_roi_aligner=RoIAligner(MASK_ROI_SIZE, fused=fused),
-        mask_target_generator=MaskTargetGenerator(model.mrcnn_resolution),
+        mask_target_generator=MaskTargetGenerator(model.mrcnn_resolution, fused=fused),
         detection_generator=DetectionGenerator(
             max_detections=model.test.test_detections_per_image,
             nms_threshold=model.test.test_nms,

@@ -60,12 +60,14 @@ class RoIAligner:
 class MaskTargetGenerator:
     """GT mask crops of matched instances -> per-RoI mask targets (`mask_targets`)."""
 
-    def __init__(self, output_size):
+    def __init__(self, output_size, fused=False):
         self.output_size = output_size
+        self.fused = fused
+        self._targets = fused_ops.mask_targets if fused else masks.mask_targets
 
     def __call__(self, rois, matched_gt_boxes, matched_gt_masks):
         """[B,F,4], [B,F,4], [B,F,M,M] -> [B,F,R,R] float32 in {0, 1}."""
-        return masks.mask_targets(rois, matched_gt_boxes, matched_gt_masks, self.output_size)
+        return self._targets(rois, matched_gt_boxes, matched_gt_masks, self.output_size)
 
 
 class DetectionGenerator:

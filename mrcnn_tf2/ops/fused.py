@@ -19,7 +19,7 @@ import warnings
 
 import tensorflow as tf
 
-from mrcnn_tf2.ops import roi_align
+from mrcnn_tf2.ops import masks, roi_align
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where ops/build.sh puts the library, and the JSON it writes next to it ({"tensorflow": version}).
@@ -145,3 +145,20 @@ def _roi_align_grad(op, grad):
     for feature_grad, feature in zip(grads, features):
         feature_grad.set_shape(feature.shape)
     return list(grads) + [None, None]
+
+
+# -- mask targets -----------------------------------------------------------------------------------------
+
+def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
+    """Fused ``masks.mask_targets``: the same {0, 1} targets, bit for bit (see its docstring).
+
+    Args:
+      rois: [B, F, 4] float32 [ymin, xmin, ymax, xmax] pixels; padded rows all -1.
+      gt_boxes: [B, F, 4] float32 matched GT boxes; gt_mask_crops: [B, F, M, M] float crops.
+      output_size: int R.
+
+    Returns:
+      [B, F, R, R] float32 in {0, 1}.
+    """
+    rois, gt_boxes, gt_mask_crops = masks.check_target_arguments(rois, gt_boxes, gt_mask_crops, output_size)
+    return load_library().mrcnn_mask_targets(rois, gt_boxes, gt_mask_crops, output_size=output_size)

@@ -56,6 +56,27 @@ def _grid_inside(roi_start, roi_length, gt_start, gt_end, output_size):
     return tf.logical_and(points >= gt_start[:, None], points < gt_end[:, None])
 
 
+def check_target_arguments(rois, gt_boxes, gt_mask_crops, output_size):
+    """Validate ``mask_targets``' arguments (shared with its fused twin).
+
+    Returns:
+      (rois [B, F, 4] float32, gt_boxes [B, F, 4] float32, gt_mask_crops [B, F, M, M] float32) tensors.
+    """
+    if not isinstance(output_size, int) or output_size < 1:
+        raise ValueError(f"output_size must be a positive int, got {output_size!r}.")
+    rois = tf.convert_to_tensor(rois, dtype=tf.float32)
+    gt_boxes = tf.convert_to_tensor(gt_boxes, dtype=tf.float32)
+    gt_mask_crops = tf.cast(tf.convert_to_tensor(gt_mask_crops), tf.float32)
+    box_ops.check_last_dim(rois, 4, "rois")
+    box_ops.check_last_dim(gt_boxes, 4, "gt_boxes")
+    if rois.shape.rank != 3 or gt_boxes.shape.rank != 3:
+        raise ValueError(f"rois and gt_boxes must be [B, F, 4], got {rois.shape} and {gt_boxes.shape}.")
+    crop_shape = gt_mask_crops.shape
+    if crop_shape.rank != 4 or crop_shape[2] is None or crop_shape[2] != crop_shape[3]:
+        raise ValueError(f"gt_mask_crops must be [B, F, M, M] with a static M, got shape {crop_shape}.")
+    return rois, gt_boxes, gt_mask_crops
+
+
 def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
     """Binary mask target of each RoI, resampled from its matched GT instance's box-aligned crop.
 
@@ -72,19 +93,8 @@ def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
       inside the GT box. All zeros (no NaN) for padded RoIs, padded GT boxes and GT boxes with zero
       height or width.
     """
-    if not isinstance(output_size, int) or output_size < 1:
-        raise ValueError(f"output_size must be a positive int, got {output_size!r}.")
-    rois = tf.convert_to_tensor(rois, dtype=tf.float32)
-    gt_boxes = tf.convert_to_tensor(gt_boxes, dtype=tf.float32)
-    gt_mask_crops = tf.cast(tf.convert_to_tensor(gt_mask_crops), tf.float32)
-    box_ops.check_last_dim(rois, 4, "rois")
-    box_ops.check_last_dim(gt_boxes, 4, "gt_boxes")
-    if rois.shape.rank != 3 or gt_boxes.shape.rank != 3:
-        raise ValueError(f"rois and gt_boxes must be [B, F, 4], got {rois.shape} and {gt_boxes.shape}.")
-    crop_shape = gt_mask_crops.shape
-    if crop_shape.rank != 4 or crop_shape[2] is None or crop_shape[2] != crop_shape[3]:
-        raise ValueError(f"gt_mask_crops must be [B, F, M, M] with a static M, got shape {crop_shape}.")
-    crop_size = crop_shape[2]
+    rois, gt_boxes, gt_mask_crops = check_target_arguments(rois, gt_boxes, gt_mask_crops, output_size)
+    crop_size = gt_mask_crops.shape[2]
 
     batch, num_rois = tf.shape(rois)[0], tf.shape(rois)[1]
     flat_rois = tf.reshape(rois, [-1, 4])
