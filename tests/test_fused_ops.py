@@ -11,9 +11,11 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.ops import fused, masks, roi_align
+from mrcnn_tf2.ops import anchors as anchor_ops
+from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
 from tests.test_masks import np_mask_target
 from tests.test_model import small_config, synthetic_batch
+from tests.test_roi_ops import np_propose, rpn_outputs
 from tests.test_roi_align import np_roi_align, random_boxes, random_pyramid
 
 
@@ -80,7 +82,8 @@ def test_factory_passes_the_choice_to_the_stages():
                                     ("on", True, False, False), ("auto", False, True, False)]:
         config.runtime.custom_ops, config.runtime.xla = mode, xla
         model = build_model(config, export=export)
-        stages = (model.box_roi_aligner, model.mask_roi_aligner, model.mask_target_generator)
+        stages = (model.proposal_generator, model.box_roi_aligner, model.mask_roi_aligner,
+                  model.mask_target_generator)
         assert [stage.fused for stage in stages] == [want] * len(stages)
 
 
@@ -219,6 +222,65 @@ def test_mask_targets_no_rois_bfloat16_crops_and_tf_function(rng):
     got = fn(rois, gt_boxes, tf.constant(crops, tf.bfloat16), 14).numpy()
     want = masks.mask_targets(rois, gt_boxes, tf.constant(crops, tf.bfloat16), 14).numpy()
     np.testing.assert_array_equal(got, want)
+
+
+# -- proposals --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def proposal_anchors():
+    """The anchors of tests/test_roi_ops.py: levels 2..4 of a 64x96 image, three aspect ratios."""
+    return anchor_ops.generate_anchors(2, 4, 1, ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4)), 4.0, (64, 96))
+
+
+def both_propose(scores, boxes, anchors, image_hw, *args):
+    outs = [fn(scores, boxes, anchors, image_hw, *args)
+            for fn in (fused.multilevel_propose_rois, roi_ops.multilevel_propose_rois)]
+    return [(out["rois"].numpy(), out["roi_scores"].numpy()) for out in outs]
+
+
+def assert_same_proposals(got, want):
+    (rois, scores), (want_rois, want_scores) = got, want
+    assert rois.shape == want_rois.shape and scores.shape == want_scores.shape
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(rois, want_rois, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("pre, post, threshold, min_size", [
+    (100, 60, 0.7, 0.0), (40, 500, 0.5, 0.0), (100, 80, 0.7, 6.0), (1000, 1000, 0.7, 0.0), (5, 3, 0.3, 0.0)])
+def test_proposals_match_twin_and_oracle(proposal_anchors, rng, pre, post, threshold, min_size):
+    scores, boxes = rpn_outputs(rng, 2)
+    image_hw = np.array([[64.0, 96.0], [50.0, 70.0]], np.float32)
+    got, want = both_propose(scores, boxes, proposal_anchors, image_hw, pre, post, threshold, min_size)
+    assert_same_proposals(got, want)
+    assert_same_proposals(got, np_propose(scores, boxes, proposal_anchors, image_hw, pre, post, threshold,
+                                          min_size))
+
+
+def test_proposals_edge_cases(proposal_anchors, rng):
+    scores, boxes = rpn_outputs(rng, 3, delta_scale=3.0)  # many boxes leave the image or collapse
+    # An empty image (no proposal), a thin one (boxes clipped to nothing), and one where every logit ties.
+    image_hw = np.array([[0.0, 0.0], [64.0, 2.0], [64.0, 96.0]], np.float32)
+    for level in scores:
+        scores[level][2] = 0.5
+    got, want = both_propose(scores, boxes, proposal_anchors, image_hw, 50, 40, 0.7, 1.0)
+    assert_same_proposals(got, want)
+    assert np.all(got[0][0] == box_ops.PADDING_BOX_VALUE) and np.all(got[1][0] == roi_ops.PADDING_ROI_SCORE)
+    # Extreme deltas (clipped by BBOX_XFORM_CLIP) stay finite, as in the twin.
+    extreme = {level: np.where(rng.uniform(size=v.shape) < 0.5, 1e4, -1e4).astype(np.float32)
+               for level, v in boxes.items()}
+    got, want = both_propose(scores, extreme, proposal_anchors, image_hw, 30, 20, 0.7, 0.0)
+    assert np.all(np.isfinite(got[0]))
+    assert_same_proposals(got, want)
+
+
+def test_proposals_low_precision_inside_tf_function(proposal_anchors, rng):
+    scores, boxes = rpn_outputs(rng, 2)
+    image_hw = np.array([[64.0, 96.0], [64.0, 60.0]], np.float32)
+    cast = lambda d: {level: tf.cast(v, tf.bfloat16) for level, v in d.items()}  # noqa: E731
+    outs = [tf.function(lambda s, b, hw, fn=fn: fn(s, b, proposal_anchors, hw, 50, 40, 0.7))(
+        cast(scores), cast(boxes), image_hw) for fn in (fused.multilevel_propose_rois,
+                                                        roi_ops.multilevel_propose_rois)]
+    assert_same_proposals(*[(out["rois"].numpy(), out["roi_scores"].numpy()) for out in outs])
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

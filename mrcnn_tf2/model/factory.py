@@ -45,6 +45,7 @@ def build_model(config, export=False):
             test_post_nms_topn=rpn.test_rpn_post_nms_topn,
             test_nms_threshold=rpn.test_rpn_nms_thresh,
             min_size=rpn.rpn_min_size,
+            fused=fused,
         ),
         roi_sampler=RoISampler(
             batch_size_per_im=roi.batch_size_per_im,

@@ -16,7 +16,9 @@ class ProposalGenerator:
     """RPN outputs -> proposals, with separate train and test budgets (`multilevel_propose_rois`)."""
 
     def __init__(self, train_pre_nms_topn, train_post_nms_topn, train_nms_threshold,
-                 test_pre_nms_topn, test_post_nms_topn, test_nms_threshold, min_size):
+                 test_pre_nms_topn, test_post_nms_topn, test_nms_threshold, min_size, fused=False):
+        self.fused = fused
+        self._propose = fused_ops.multilevel_propose_rois if fused else roi_ops.multilevel_propose_rois
         self.train = dict(pre_nms_topn=train_pre_nms_topn, post_nms_topn=train_post_nms_topn,
                           nms_threshold=train_nms_threshold, min_size=min_size)
         self.test = dict(pre_nms_topn=test_pre_nms_topn, post_nms_topn=test_post_nms_topn,
@@ -25,7 +27,7 @@ class ProposalGenerator:
     def __call__(self, rpn_scores, rpn_boxes, anchors, image_hw, training):
         """{level: [B,H,W,A]}, {level: [B,H,W,4A]}, {level: [M_l,4]}, [B,2] -> {'rois' [B,P,4], 'roi_scores'}."""
         params = self.train if training else self.test
-        return roi_ops.multilevel_propose_rois(rpn_scores, rpn_boxes, anchors, image_hw, **params)
+        return self._propose(rpn_scores, rpn_boxes, anchors, image_hw, **params)
 
 
 class RoISampler:

@@ -19,7 +19,7 @@ import warnings
 
 import tensorflow as tf
 
-from mrcnn_tf2.ops import masks, roi_align
+from mrcnn_tf2.ops import masks, roi_align, roi_ops
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where ops/build.sh puts the library, and the JSON it writes next to it ({"tensorflow": version}).
@@ -162,3 +162,24 @@ def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
     """
     rois, gt_boxes, gt_mask_crops = masks.check_target_arguments(rois, gt_boxes, gt_mask_crops, output_size)
     return load_library().mrcnn_mask_targets(rois, gt_boxes, gt_mask_crops, output_size=output_size)
+
+
+# -- proposals --------------------------------------------------------------------------------------------
+
+def multilevel_propose_rois(rpn_scores, rpn_boxes, anchors, image_hw, pre_nms_topn, post_nms_topn,
+                            nms_threshold, min_size=0.0):
+    """Fused ``roi_ops.multilevel_propose_rois``: same arguments and result (see its docstring).
+
+    Args:
+      rpn_scores: {level: [B, H_l, W_l, A]} logits; rpn_boxes: {level: [B, H_l, W_l, 4A]} deltas;
+      anchors: {level: [M_l, 4]}; image_hw: [B, 2] valid image size; the rest: ints and floats.
+
+    Returns:
+      {'rois': [B, post_nms_topn, 4] float32 (-1 padded), 'roi_scores': [B, post_nms_topn] float32 (0 padded)}.
+    """
+    level_inputs, image_hw = roi_ops.flatten_level_inputs(rpn_scores, rpn_boxes, anchors, image_hw)
+    logits, deltas, level_anchors = (list(parts) for parts in zip(*level_inputs))
+    rois, roi_scores = load_library().mrcnn_propose_rois(
+        logits, deltas, level_anchors, image_hw, pre_nms_topn=pre_nms_topn, post_nms_topn=post_nms_topn,
+        nms_threshold=nms_threshold, min_size=min_size)
+    return {"rois": rois, "roi_scores": roi_scores}

@@ -65,6 +65,42 @@ def _propose_level(logits, deltas, anchors, image_hw, pre_nms_topn, post_nms_top
     return (tf.gather(boxes, selected, batch_dims=1), tf.gather(scores, selected, batch_dims=1), valid)
 
 
+def flatten_level_inputs(rpn_scores, rpn_boxes, anchors, image_hw):
+    """Check ``multilevel_propose_rois``' inputs and flatten each level in anchor order (shared with the
+    fused twin).
+
+    Returns:
+      ([(logits [B, M_l] float32, deltas [B, M_l, 4] float32, anchors [M_l, 4] float32) per level in
+      ascending level order], image_hw [B, 2] float32).
+
+    Raises:
+      ValueError: the dicts have different levels, or a level's shapes disagree with its anchors.
+    """
+    levels = sorted(rpn_scores)
+    if sorted(rpn_boxes) != levels or sorted(anchors) != levels:
+        raise ValueError(f"rpn_scores, rpn_boxes and anchors must share levels, got {levels}, "
+                         f"{sorted(rpn_boxes)} and {sorted(anchors)}.")
+    image_hw = tf.cast(image_hw, tf.float32)
+    box_ops.check_last_dim(image_hw, 2, "image_hw")
+    level_inputs = []
+    for level in levels:
+        scores = tf.convert_to_tensor(rpn_scores[level])
+        deltas = tf.convert_to_tensor(rpn_boxes[level])
+        level_anchors = tf.convert_to_tensor(anchors[level], tf.float32)
+        _, feat_h, feat_w, num_anchors = scores.shape
+        num_level_anchors = feat_h * feat_w * num_anchors
+        box_ops.check_last_dim(deltas, 4 * num_anchors, f"rpn_boxes[{level}]")
+        box_ops.check_last_dim(level_anchors, 4, f"anchors[{level}]")
+        if level_anchors.shape[0] != num_level_anchors:
+            raise ValueError(f"anchors[{level}] has {level_anchors.shape[0]} boxes but rpn_scores[{level}] "
+                             f"{tuple(scores.shape)} needs {num_level_anchors}.")
+        # [B, H, W, A] -> [B, H*W*A] and [B, H, W, 4A] -> [B, H*W*A, 4], matching the anchor order.
+        logits = tf.reshape(tf.cast(scores, tf.float32), [-1, num_level_anchors])
+        deltas = tf.reshape(tf.cast(deltas, tf.float32), [-1, num_level_anchors, 4])
+        level_inputs.append((logits, deltas, level_anchors))
+    return level_inputs, image_hw
+
+
 def multilevel_propose_rois(rpn_scores, rpn_boxes, anchors, image_hw, pre_nms_topn, post_nms_topn,
                             nms_threshold, min_size=0.0):
     """Propose RoIs from the RPN outputs of every level, per image.
@@ -102,28 +138,9 @@ def multilevel_propose_rois(rpn_scores, rpn_boxes, anchors, image_hw, pre_nms_to
     Raises:
       ValueError: the dicts have different levels, or a level's shapes disagree with its anchors.
     """
-    levels = sorted(rpn_scores)
-    if sorted(rpn_boxes) != levels or sorted(anchors) != levels:
-        raise ValueError(f"rpn_scores, rpn_boxes and anchors must share levels, got {levels}, "
-                         f"{sorted(rpn_boxes)} and {sorted(anchors)}.")
-    image_hw = tf.cast(image_hw, tf.float32)
-    box_ops.check_last_dim(image_hw, 2, "image_hw")
-
+    level_inputs, image_hw = flatten_level_inputs(rpn_scores, rpn_boxes, anchors, image_hw)
     level_boxes, level_scores, level_valid = [], [], []
-    for level in levels:
-        scores = tf.convert_to_tensor(rpn_scores[level])
-        deltas = tf.convert_to_tensor(rpn_boxes[level])
-        level_anchors = tf.convert_to_tensor(anchors[level], tf.float32)
-        _, feat_h, feat_w, num_anchors = scores.shape
-        num_level_anchors = feat_h * feat_w * num_anchors
-        box_ops.check_last_dim(deltas, 4 * num_anchors, f"rpn_boxes[{level}]")
-        box_ops.check_last_dim(level_anchors, 4, f"anchors[{level}]")
-        if level_anchors.shape[0] != num_level_anchors:
-            raise ValueError(f"anchors[{level}] has {level_anchors.shape[0]} boxes but rpn_scores[{level}] "
-                             f"{tuple(scores.shape)} needs {num_level_anchors}.")
-        # [B, H, W, A] -> [B, H*W*A] and [B, H, W, 4A] -> [B, H*W*A, 4], matching the anchor order.
-        logits = tf.reshape(tf.cast(scores, tf.float32), [-1, num_level_anchors])
-        deltas = tf.reshape(tf.cast(deltas, tf.float32), [-1, num_level_anchors, 4])
+    for logits, deltas, level_anchors in level_inputs:
         boxes, scores, valid = _propose_level(
             logits, deltas, level_anchors, image_hw, pre_nms_topn, post_nms_topn, nms_threshold, min_size)
         level_boxes.append(boxes)
