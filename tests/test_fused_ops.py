@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.model.factory import build_model
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
+from tests.test_anchors import VARIED_GT, flatten, make_gt, np_label_anchors
+from tests.test_anchors import IMAGE_SIZE as ANCHOR_IMAGE_SIZE
+from tests.test_anchors import anchors as rpn_anchors  # noqa: F401 (a fixture)
 from tests.test_masks import np_mask_target
 from tests.test_model import small_config, synthetic_batch
+from tests.test_pipeline import first_batches, make_config
 from tests.test_roi_ops import np_propose, rpn_outputs
 from tests.test_roi_align import np_roi_align, random_boxes, random_pyramid
 
@@ -281,6 +286,70 @@ def test_proposals_low_precision_inside_tf_function(proposal_anchors, rng):
         cast(scores), cast(boxes), image_hw) for fn in (fused.multilevel_propose_rois,
                                                         roi_ops.multilevel_propose_rois)]
     assert_same_proposals(*[(out["rois"].numpy(), out["roi_scores"].numpy()) for out in outs])
+
+
+# -- RPN anchor targets -----------------------------------------------------------------------------------
+
+def assert_same_rpn_targets(got, want):
+    for key in ("rpn_score_targets", "rpn_box_targets"):
+        assert got[key].keys() == want[key].keys()
+        for level in got[key]:
+            assert got[key][level].shape == want[key][level].shape and got[key][level].dtype == want[key][level].dtype
+            np.testing.assert_array_equal(got[key][level].numpy(), want[key][level].numpy())
+
+
+def both_rpn_targets(anchors, gt, **kwargs):
+    return [fn(anchors, gt, ANCHOR_IMAGE_SIZE, **kwargs) for fn in (fused.rpn_targets, anchor_ops.rpn_targets)]
+
+
+@pytest.mark.parametrize("gt_kind", ["varied", "many", "padding only", "none", "outside and degenerate"])
+def test_rpn_targets_equal_twin_for_the_same_seed(rpn_anchors, rng, gt_kind):
+    all_anchors = flatten(rpn_anchors, 4)
+    gt = {
+        "varied": make_gt(VARIED_GT),
+        # More positives than the cap: the random choice among them must match too.
+        "many": (all_anchors[rng.choice(len(all_anchors), 200, replace=False)]
+                 + rng.uniform(-0.2, 0.2, (200, 4))).astype(np.float32),
+        "padding only": np.full((4, 4), -1.0, np.float32),
+        "none": np.zeros((0, 4), np.float32),
+        "outside and degenerate": make_gt([[-50.0, -50.0, -10.0, -10.0], [200.0, 10.0, 260.0, 60.0],
+                                           [20.0, 20.0, 20.0, 40.0], [30.0, 40.0, 10.0, 20.0],
+                                           [10.0, 10.0, 60.0, 70.0]]),
+    }[gt_kind]
+    for seed in ([3, 4], [5, 6]):
+        got, want = both_rpn_targets(rpn_anchors, gt, seed=tf.constant(seed))
+        assert_same_rpn_targets(got, want)
+    labels = flatten(got["rpn_score_targets"], 1)[:, 0]
+    expected, _ = np_label_anchors(all_anchors, gt, 0.7, 0.3)
+    assert np.all(expected[labels == 1] == 1) and np.all(expected[labels == 0] == 0)
+    assert np.sum(labels >= 0) == 256
+
+
+def test_rpn_targets_other_settings_and_in_tf_data(rpn_anchors):
+    gt = make_gt(VARIED_GT)
+    kwargs = dict(positive_overlap=0.5, negative_overlap=0.4, batch_size_per_im=64, fg_fraction=0.25,
+                  seed=tf.constant([1, 2]))
+    assert_same_rpn_targets(*both_rpn_targets(rpn_anchors, gt, **kwargs))
+    seeds = tf.constant([[7, 0], [7, 1]], tf.int64)
+    boxes = np.stack([make_gt(VARIED_GT), make_gt(VARIED_GT[:1], num_padded=7)])
+    datasets = [tf.data.Dataset.from_tensor_slices((boxes, seeds)).map(
+        lambda b, s, fn=fn: fn(rpn_anchors, b, ANCHOR_IMAGE_SIZE, seed=s), num_parallel_calls=2)
+        for fn in (fused.rpn_targets, anchor_ops.rpn_targets)]
+    assert datasets[0].element_spec == datasets[1].element_spec
+    for got, want in zip(*datasets):
+        assert_same_rpn_targets(got, want)
+
+
+def test_input_pipeline_with_fused_anchor_targets_equals_twin(shapes_records):
+    batches = []
+    for mode in ("on", "off"):
+        config = make_config(augment=True, seed=11)
+        config.runtime.custom_ops = mode
+        pipeline = InputPipeline(config, training=True)
+        assert (pipeline.rpn_targets is fused.rpn_targets) == (mode == "on")
+        batches.append(first_batches(pipeline, shapes_records["train"], 2))
+    for got, want in zip(*batches):
+        tf.nest.map_structure(np.testing.assert_array_equal, got, want)
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.ops import anchors as anchor_ops
+from mrcnn_tf2.ops import fused as fused_ops
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
 
 # Per-channel RGB mean and standard deviation of ImageNet, on the 0..255 scale.
@@ -133,6 +134,10 @@ class InputPipeline:
         self.model = config.model
         self.training = training
         self.seed = config.train.seed
+        # The fused anchor labelling gives the same targets as the twin for the same seed. XLA does not
+        # apply here: tf.data functions are not jit-compiled.
+        self.rpn_targets = (fused_ops.rpn_targets if fused_ops.use_fused(config.runtime.custom_ops)
+                            else anchor_ops.rpn_targets)
         anchors = self.model.anchors
         self.anchors = anchor_ops.generate_anchors(
             anchors.min_level,
@@ -223,7 +228,7 @@ class InputPipeline:
             features["gt_masks"] = pad_instances(parts[2], data.max_num_instances, PADDING_MASK)
         rpn = self.model.rpn
         features.update(
-            anchor_ops.rpn_targets(
+            self.rpn_targets(
                 self.anchors,
                 boxes,
                 data.image_size,

@@ -195,18 +195,8 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
           ground truth w.r.t. the anchor, weights ``RPN_BOX_WEIGHTS``; zero where the label is not
           positive. Channels ``4a:4a+4`` belong to anchor a.
     """
-    levels = sorted(anchors)
-    level_anchors = [tf.convert_to_tensor(anchors[level], tf.float32) for level in levels]
-    grids = [feature_size(image_size, level) for level in levels]
-    for level, boxes, grid in zip(levels, level_anchors, grids):
-        _check_anchor_grid(boxes, level, grid, image_size)
-    gt_boxes = tf.convert_to_tensor(gt_boxes, tf.float32)
-    box_ops.check_last_dim(gt_boxes, 4, "gt_boxes")
-
-    # Dropping padded rows first makes the cost scale with the real instance count, not the padded one.
-    # The appended empty box overlaps nothing (IoU 0), so no reduction below sees an empty axis.
-    real_gt = tf.boolean_mask(gt_boxes, tf.logical_not(box_ops.is_padding(gt_boxes)))
-    real_gt = tf.concat([real_gt, tf.zeros([1, 4], tf.float32)], axis=0)  # [K', 4]
+    levels, level_anchors, grids, gt_boxes = check_target_inputs(anchors, gt_boxes, image_size)
+    real_gt = real_ground_truth(gt_boxes)  # [K', 4]
 
     # The only [M, K'] work: one IoU tensor per level and three reductions over it.
     ious = [_grid_iou(boxes, feat_h, feat_w, real_gt)
@@ -220,15 +210,59 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 
     positive = tf.logical_or(max_iou >= positive_overlap, is_gt_best)
     negative = tf.logical_and(max_iou < negative_overlap, tf.logical_not(positive))
-    if seed is None:
-        keys = tf.random.uniform(tf.shape(max_iou))
-    else:
-        keys = tf.random.stateless_uniform(tf.shape(max_iou), seed)
+    keys = sampling_keys(tf.shape(max_iou), seed)
     sampled_positive, positive_indices = _sample(positive, keys, int(batch_size_per_im * fg_fraction))
     num_negatives = batch_size_per_im - tf.shape(positive_indices)[0]
     sampled_negative, _ = _sample(negative, keys, batch_size_per_im, limit=num_negatives)
     labels = tf.where(sampled_positive, RPN_POSITIVE, tf.where(sampled_negative, RPN_NEGATIVE, RPN_IGNORE))
+    return targets_from_labels(levels, level_anchors, grids, real_gt, labels, positive_indices)
 
+
+def check_target_inputs(anchors, gt_boxes, image_size):
+    """Validate ``rpn_targets``' anchors and ground truth (shared with the fused twin).
+
+    Returns:
+      (levels: ascending ints, level_anchors: [H_l*W_l*A, 4] float32 tensors in that order,
+      grids: [(H_l, W_l)], gt_boxes: [K, 4] float32 tensor).
+    """
+    levels = sorted(anchors)
+    level_anchors = [tf.convert_to_tensor(anchors[level], tf.float32) for level in levels]
+    grids = [feature_size(image_size, level) for level in levels]
+    for level, boxes, grid in zip(levels, level_anchors, grids):
+        _check_anchor_grid(boxes, level, grid, image_size)
+    gt_boxes = tf.convert_to_tensor(gt_boxes, tf.float32)
+    box_ops.check_last_dim(gt_boxes, 4, "gt_boxes")
+    return levels, level_anchors, grids, gt_boxes
+
+
+def real_ground_truth(gt_boxes):
+    """[K, 4] padded ground truth -> [K', 4]: the real rows plus one empty box.
+
+    Dropping padded rows first makes the cost scale with the real instance count, not the padded one.
+    The appended empty box overlaps nothing (IoU 0), so no reduction over K' sees an empty axis.
+    """
+    real_gt = tf.boolean_mask(gt_boxes, tf.logical_not(box_ops.is_padding(gt_boxes)))
+    return tf.concat([real_gt, tf.zeros([1, 4], tf.float32)], axis=0)
+
+
+def sampling_keys(shape, seed):
+    """[M] float32 uniform keys of the anchor subsampling: stateless from ``seed``, or fresh when None."""
+    if seed is None:
+        return tf.random.uniform(shape)
+    return tf.random.stateless_uniform(shape, seed)
+
+
+def targets_from_labels(levels, level_anchors, grids, real_gt, labels, positive_indices):
+    """Box targets of the sampled positives and the per-level layout of ``rpn_targets``' outputs.
+
+    Args:
+      levels, level_anchors, grids: from ``check_target_inputs``.
+      real_gt: [K', 4] float32 from ``real_ground_truth``.
+      labels: [M] int32 anchor labels; positive_indices: [P] int32 the anchors labelled positive.
+
+    Returns:
+      ``rpn_targets``' dict.
+    """
     # Box targets are needed for the sampled positives only: match and encode those few rows.
     all_anchors = tf.concat(level_anchors, axis=0)  # [M, 4]
     positive_anchors = tf.gather(all_anchors, positive_indices)  # [P, 4]
@@ -238,7 +272,9 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 
     score_targets = {}
     box_targets = {}
-    sizes = [feat_h * feat_w * iou.shape[2] for (feat_h, feat_w), iou in zip(grids, ious)]
+    sizes = [boxes.shape[0] for boxes in level_anchors]
+    if None in sizes:
+        sizes = [tf.shape(boxes)[0] for boxes in level_anchors]
     for level, (feat_h, feat_w), level_labels, level_deltas in zip(
             levels, grids, tf.split(labels, sizes), tf.split(deltas, sizes)):
         score_targets[level] = tf.reshape(level_labels, [feat_h, feat_w, -1])

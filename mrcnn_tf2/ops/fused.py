@@ -19,6 +19,7 @@ import warnings
 
 import tensorflow as tf
 
+from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import masks, roi_align, roi_ops
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -183,3 +184,30 @@ def multilevel_propose_rois(rpn_scores, rpn_boxes, anchors, image_hw, pre_nms_to
         logits, deltas, level_anchors, image_hw, pre_nms_topn=pre_nms_topn, post_nms_topn=post_nms_topn,
         nms_threshold=nms_threshold, min_size=min_size)
     return {"rois": rois, "roi_scores": roi_scores}
+
+
+# -- RPN anchor targets -----------------------------------------------------------------------------------
+
+def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_overlap=0.3,
+                batch_size_per_im=256, fg_fraction=0.5, seed=None):
+    """Fused ``anchors.rpn_targets``: same arguments, and for the same ``seed`` the same targets.
+
+    The op does the IoU matching and the subsampling; the random keys are drawn here exactly as the
+    twin draws them, and the few sampled positives are encoded by the twin's own code.
+
+    Args:
+      anchors: {level: [H_l*W_l*A, 4]} from ``generate_anchors``; gt_boxes: [K, 4] float32, -1 padded;
+      image_size: (H, W); seed: optional [2] stateless seed; the rest as in the twin.
+
+    Returns:
+      {'rpn_score_targets': {level: [H_l, W_l, A] int32}, 'rpn_box_targets': {level: [H_l, W_l, 4A] float32}}.
+    """
+    levels, level_anchors, grids, gt_boxes = anchor_ops.check_target_inputs(anchors, gt_boxes, image_size)
+    num_anchors = sum(int(boxes.shape[0]) for boxes in level_anchors)
+    keys = anchor_ops.sampling_keys([num_anchors], seed)
+    labels, positive_indices = load_library().mrcnn_rpn_labels(
+        level_anchors, gt_boxes, keys, grid_heights=[h for h, _ in grids], grid_widths=[w for _, w in grids],
+        positive_overlap=positive_overlap, negative_overlap=negative_overlap,
+        max_positives=int(batch_size_per_im * fg_fraction), batch_size_per_im=batch_size_per_im)
+    return anchor_ops.targets_from_labels(levels, level_anchors, grids, anchor_ops.real_ground_truth(gt_boxes),
+                                          labels, positive_indices)
