@@ -3,7 +3,8 @@
 One `Config` holds every setting of a run. Leaf names are those of NVIDIA's `config.py` and of the
 command-line flags, so a key reads the same in `--help`, `--print_config`, `--config_override` and the
 seeds' documentation. The sub-configs mirror the package: `data` for the input pipeline, `model` (with
-`anchors`, `rpn`, `roi`, `loss`, `test`) for the network, `train`, `eval` and `runtime` for the loops.
+`anchors`, `rpn`, `roi`, `loss`, `test`) for the network, `train`, `eval`, `infer`, `export` and `runtime`
+for the loops.
 
 Only the factories and the runtime read this module; layers and ops take plain keyword arguments.
 This module must not import TensorFlow: `--help` and `--print_config` stay fast.
@@ -142,8 +143,12 @@ class ModelConfig:
     stride_in_1x1: bool = False
     # Build the mask branch (False gives Faster R-CNN).
     include_mask: bool = True
+    # Width of the FPN maps (and so of the RPN head and the RoI features); a CPU-sized model may narrow it.
+    fpn_num_filters: int = 256
     # Width of the box head's two fully connected layers.
     fast_rcnn_mlp_head_dim: int = 1024
+    # Width of the mask head's 3x3 convs and its transposed conv.
+    mrcnn_head_num_filters: int = 256
     # Side of the predicted masks.
     mrcnn_resolution: int = 28
     # Scales of the (dy, dx, dh, dw) targets of the box head.
@@ -194,9 +199,49 @@ class EvalConfig:
     eval_batch_size: int = 8
     # Number of validation images to evaluate; None evaluates all.
     eval_samples: Optional[int] = None
-    # Training stops once both COCO APs are reached (None: never stop early).
+    # Training evaluates every this many epochs (and after its last step whenever eval_file is given);
+    # None: only after the last step, or every epoch when a min_*_map asks to stop early.
+    eval_every_epochs: Optional[int] = None
+    # Training stops once every given COCO AP is reached, checked at each evaluation (None: no target).
     min_bbox_map: Optional[float] = None
     min_mask_map: Optional[float] = None
+
+    def resolved_eval_every_epochs(self) -> Optional[int]:
+        """Epochs between evaluations during training; None evaluates only after the last step."""
+        if self.eval_every_epochs is None and (self.min_bbox_map is not None or self.min_mask_map is not None):
+            return 1  # an early stop needs evaluations before the end
+        return self.eval_every_epochs
+
+
+@dataclass
+class InferConfig:
+    """`main.py infer`: what to run on, where the predictions and pictures go."""
+
+    # An image file, a folder or a glob of JPEG/PNG files; None: the validation TFRecords.
+    input: Optional[str] = None
+    # Where predictions.json (and the PNGs) go; None: <model_dir>/inference.
+    output_dir: Optional[str] = None
+    # Also draw masks, boxes, class names and scores on each image, as PNGs in output_dir.
+    visualize: bool = False
+    # JSON {"category id": "name"} naming the classes in the pictures; None: eval_file's category names
+    # when given, else the ids.
+    label_map: Optional[str] = None
+    # Detections scoring below this are not drawn (all are written to predictions.json).
+    visualize_score_threshold: float = 0.5
+
+    def resolved_output_dir(self, model_dir: str) -> str:
+        return self.output_dir or f"{model_dir.rstrip('/')}/inference"
+
+
+@dataclass
+class ExportConfig:
+    """`main.py export`: where the SavedModel goes."""
+
+    # None: <model_dir>/saved_model.
+    export_dir: Optional[str] = None
+
+    def resolved_export_dir(self, model_dir: str) -> str:
+        return self.export_dir or f"{model_dir.rstrip('/')}/saved_model"
 
 
 @dataclass
@@ -238,6 +283,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    infer: InferConfig = field(default_factory=InferConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def to_dict(self) -> dict:
@@ -308,9 +355,22 @@ class Config:
         for key, count in (
             ("--steps_per_epoch", self.train.steps_per_epoch),
             ("--eval_samples", self.eval.eval_samples),
+            ("--eval_every_epochs", self.eval.eval_every_epochs),
         ):
             if count is not None and count < 1:
                 raise ConfigError(key, f"{count} must be >= 1")
+        for key, value in (
+            ("--min_bbox_map", self.eval.min_bbox_map),
+            ("--min_mask_map", self.eval.min_mask_map),
+            ("--visualize_score_threshold", self.infer.visualize_score_threshold),
+        ):
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ConfigError(key, f"{value} must lie in [0, 1]")
+        for key, value in (("--min_bbox_map", self.eval.min_bbox_map), ("--min_mask_map", self.eval.min_mask_map)):
+            if value is not None and not self.eval.eval_file:
+                raise ConfigError(key, "stopping at a target AP needs --eval_file (the validation annotations)")
+        if self.eval.min_mask_map is not None and not self.model.include_mask:
+            raise ConfigError("--min_mask_map", "the model has no mask branch (model.include_mask=false)")
 
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")

@@ -33,10 +33,11 @@ def build_model(config, export=False):
             freeze_bn=model.freeze_bn,
             freeze_blocks=tuple(model.freeze_blocks),
         ),
-        fpn=FPN(min_level=anchors.min_level, max_level=anchors.max_level),
-        rpn_head=RPNHead(num_anchors=model.num_anchors),
+        fpn=FPN(min_level=anchors.min_level, max_level=anchors.max_level, num_filters=model.fpn_num_filters),
+        rpn_head=RPNHead(num_anchors=model.num_anchors, num_filters=model.fpn_num_filters),
         box_head=BoxHead(num_classes=model.num_classes, mlp_head_dim=model.fast_rcnn_mlp_head_dim),
-        mask_head=MaskHead(num_classes=model.num_classes) if model.include_mask else None,
+        mask_head=(MaskHead(num_classes=model.num_classes, num_filters=model.mrcnn_head_num_filters)
+                   if model.include_mask else None),
         proposal_generator=ProposalGenerator(
             train_pre_nms_topn=rpn.train_rpn_pre_nms_topn,
             train_post_nms_topn=rpn.train_rpn_post_nms_topn,

@@ -94,12 +94,16 @@ class MaskRCNN(TracksSublayers, keras.Model):
         return outputs
 
     def _mask_branch_train(self, inputs, roi_maps, sample, training):
-        """Mask logits and targets for the foreground RoIs, the first F = max_foreground sampled slots.
+        """Mask logits and targets for the foreground RoIs: the first F sampled slots.
 
-        sample_rois puts foreground slots first and never samples more than F of them, so the first F
-        slots hold every foreground RoI (and background or invalid ones after them, masked by mask_valid).
+        sample_rois puts foreground slots first and never samples more than max_foreground of them, so
+        the first F = (most foreground slots of any image in the batch, at least 1) slots hold every
+        foreground RoI; slots after an image's own foreground are masked by mask_valid. F is dynamic: the
+        mask head, the costliest part of the step, runs on no slot that no image needs.
         """
-        fg = slice(0, self.roi_sampler.max_foreground)
+        is_fg = sample["is_foreground"][:, :self.roi_sampler.max_foreground]
+        num_fg = tf.maximum(tf.reduce_max(tf.reduce_sum(tf.cast(is_fg, tf.int32), axis=1)), 1)
+        fg = slice(0, num_fg)
         fg_rois = sample["rois"][:, fg]
         fg_classes = sample["class_targets"][:, fg]
         fg_gt = sample["matched_gt_indices"][:, fg]
