@@ -17,7 +17,7 @@ from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
 from tests.test_anchors import VARIED_GT, flatten, make_gt, np_label_anchors
 from tests.test_anchors import IMAGE_SIZE as ANCHOR_IMAGE_SIZE
 from tests.test_anchors import anchors as rpn_anchors  # noqa: F401 (a fixture)
-from tests.test_masks import np_mask_target
+from tests.test_masks import np_mask_target, np_paste
 from tests.test_model import small_config, synthetic_batch
 from tests.test_pipeline import first_batches, make_config
 from tests.test_roi_ops import np_propose, rpn_outputs
@@ -350,6 +350,55 @@ def test_input_pipeline_with_fused_anchor_targets_equals_twin(shapes_records):
         batches.append(first_batches(pipeline, shapes_records["train"], 2))
     for got, want in zip(*batches):
         tf.nest.map_structure(np.testing.assert_array_equal, got, want)
+
+
+# -- mask pasting -----------------------------------------------------------------------------------------
+
+def assert_same_paste(masks_in, boxes, hw, threshold=None):
+    got = fused.paste_masks(masks_in, boxes, hw, threshold)
+    want = masks.paste_masks(masks_in, boxes, hw, threshold)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if threshold is None:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    else:
+        # The twin's BLAS products may round differently in the last bit: only pixels whose probability
+        # is that close to the threshold may differ.
+        probability = masks.paste_masks(masks_in, boxes, hw)
+        decided = np.abs(probability - threshold) > 1e-6
+        np.testing.assert_array_equal(got[decided], want[decided])
+    return got
+
+
+def test_paste_masks_equal_twin_and_oracle(rng):
+    hw = (20, 24)
+    boxes = np.array([[3.3, 4.1, 15.7, 11.2], [-6.0, 15.0, 9.0, 40.0], [-3.0, -4.0, 30.0, 30.0],
+                      [30.0, 30.0, 40.0, 40.0],  # wholly outside
+                      [5.0, 5.0, 5.0, 9.0],  # empty
+                      [8.0, 2.0, 4.0, 6.0],  # inverted
+                      [5.4, 1.0, 5.6, 2.0]], np.float32)  # covers one pixel centre
+    probs = rng.uniform(size=(7, 6, 6)).astype(np.float32)
+    got = assert_same_paste(probs, boxes, hw)
+    for d in range(7):
+        np.testing.assert_allclose(got[d], np_paste(probs[d], boxes[d], hw), atol=1e-5)
+    assert_same_paste(probs, boxes, hw, threshold=0.5)
+    assert_same_paste(probs, boxes, hw, threshold=0.3)
+    assert_same_paste(probs[:, :1, :1], boxes, hw, threshold=0.5)  # 1x1 masks
+    assert fused.paste_masks(np.zeros((0, 4, 4), np.float32), np.zeros((0, 4), np.float32), (5, 6)).shape == (0, 5, 6)
+
+
+def test_paste_masks_of_many_detections(rng):
+    hw = (240, 320)
+    centres = rng.uniform(0, 1, size=(100, 2)) * hw
+    sides = rng.uniform(1, 150, size=(100, 2))
+    boxes = np.concatenate([centres - sides / 2, centres + sides / 2], axis=1).astype(np.float32)
+    probs = rng.uniform(size=(100, 28, 28)).astype(np.float32)
+    assert_same_paste(probs, boxes, hw)
+    assert_same_paste(probs, boxes, hw, threshold=0.5)
+
+
+def test_paste_masks_bad_arguments_are_the_twins():
+    with pytest.raises(ValueError, match="image_hw"):
+        fused.paste_masks(np.zeros((2, 4, 4)), np.zeros((2, 4)), (8,))
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

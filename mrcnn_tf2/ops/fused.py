@@ -17,10 +17,12 @@ import os
 import threading
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from mrcnn_tf2.ops import anchors as anchor_ops
-from mrcnn_tf2.ops import masks, roi_align, roi_ops
+from mrcnn_tf2.ops import masks as mask_ops
+from mrcnn_tf2.ops import roi_align, roi_ops
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where ops/build.sh puts the library, and the JSON it writes next to it ({"tensorflow": version}).
@@ -161,7 +163,7 @@ def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
     Returns:
       [B, F, R, R] float32 in {0, 1}.
     """
-    rois, gt_boxes, gt_mask_crops = masks.check_target_arguments(rois, gt_boxes, gt_mask_crops, output_size)
+    rois, gt_boxes, gt_mask_crops = mask_ops.check_target_arguments(rois, gt_boxes, gt_mask_crops, output_size)
     return load_library().mrcnn_mask_targets(rois, gt_boxes, gt_mask_crops, output_size=output_size)
 
 
@@ -211,3 +213,34 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
         max_positives=int(batch_size_per_im * fg_fraction), batch_size_per_im=batch_size_per_im)
     return anchor_ops.targets_from_labels(levels, level_anchors, grids, anchor_ops.real_ground_truth(gt_boxes),
                                           labels, positive_indices)
+
+
+# -- mask pasting (evaluation, NumPy in and out) ----------------------------------------------------------
+
+def paste_masks(masks, boxes, image_hw, threshold=None):
+    """Fused ``masks.paste_masks``: same arguments and result, to float rounding (see its docstring).
+
+    The op computes each box's region; they are placed here into a zero-initialised array, so pixels
+    outside every box are never touched (NumPy's zeros are lazily zeroed pages).
+
+    Args:
+      masks: [D, R, R] float32 probabilities; boxes: [D, 4] float32 [ymin, xmin, ymax, xmax] pixels;
+      image_hw: (h, w) ints; threshold: None or a float.
+
+    Returns:
+      [D, h, w] float32 probabilities, or uint8 in {0, 1} when ``threshold`` is given.
+    """
+    masks, boxes, height, width = mask_ops.check_paste_arguments(masks, boxes, image_hw, threshold)
+    binary = threshold is not None
+    out = np.zeros((masks.shape[0], height, width), np.uint8 if binary else np.float32)
+    regions, extents = load_library().mrcnn_paste_masks(
+        masks, boxes, height=height, width=width, threshold=float(threshold) if binary else 0.5,
+        out_type=tf.uint8 if binary else tf.float32)
+    regions, extents = regions.numpy(), extents.numpy()
+    start = 0
+    for d, (top, left, rows, cols) in enumerate(extents.tolist()):
+        if rows * cols:
+            out[d, top:top + rows, left:left + cols] = regions[start:start + rows * cols].reshape(rows, cols)
+        start += rows * cols
+    return out
+

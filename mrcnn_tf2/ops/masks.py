@@ -141,6 +141,25 @@ def _axis_weights(start, end, mask_size, num_pixels):
     return first, weights.astype(np.float32)
 
 
+def check_paste_arguments(masks, boxes, image_hw, threshold):
+    """Validate ``paste_masks``' arguments (shared with its fused twin).
+
+    Returns:
+      (masks [D, R, R] float32 array, boxes [D, 4] float32 array, height, width).
+    """
+    masks = np.asarray(masks, dtype=np.float32)
+    boxes = np.asarray(boxes, dtype=np.float32)
+    if masks.ndim != 3 or masks.shape[1] != masks.shape[2] or masks.shape[1] < 1:
+        raise ValueError(f"masks must be [D, R, R] with R >= 1, got shape {masks.shape}.")
+    if boxes.shape != (masks.shape[0], 4):
+        raise ValueError(f"boxes must be [D, 4] with D = {masks.shape[0]}, got shape {boxes.shape}.")
+    if len(image_hw) != 2 or any(int(v) != v or v < 0 for v in image_hw):
+        raise ValueError(f"image_hw must be two non-negative ints (h, w), got {image_hw!r}.")
+    if threshold is not None and not np.isfinite(threshold):
+        raise ValueError(f"threshold must be None or a finite number, got {threshold!r}.")
+    return masks, boxes, int(image_hw[0]), int(image_hw[1])
+
+
 def paste_masks(masks, boxes, image_hw, threshold=None):
     """Paste box-aligned mask predictions into full-image masks (evaluation side, NumPy, one image).
 
@@ -157,17 +176,7 @@ def paste_masks(masks, boxes, image_hw, threshold=None):
     Returns:
       [D, h, w] float32 probabilities, or uint8 in {0, 1} when ``threshold`` is given; 0 outside each box.
     """
-    masks = np.asarray(masks, dtype=np.float32)
-    boxes = np.asarray(boxes, dtype=np.float32)
-    if masks.ndim != 3 or masks.shape[1] != masks.shape[2] or masks.shape[1] < 1:
-        raise ValueError(f"masks must be [D, R, R] with R >= 1, got shape {masks.shape}.")
-    if boxes.shape != (masks.shape[0], 4):
-        raise ValueError(f"boxes must be [D, 4] with D = {masks.shape[0]}, got shape {boxes.shape}.")
-    if len(image_hw) != 2 or any(int(v) != v or v < 0 for v in image_hw):
-        raise ValueError(f"image_hw must be two non-negative ints (h, w), got {image_hw!r}.")
-    if threshold is not None and not np.isfinite(threshold):
-        raise ValueError(f"threshold must be None or a finite number, got {threshold!r}.")
-    height, width = int(image_hw[0]), int(image_hw[1])
+    masks, boxes, height, width = check_paste_arguments(masks, boxes, image_hw, threshold)
     mask_size = masks.shape[1]
     out = np.zeros((masks.shape[0], height, width), np.float32 if threshold is None else np.uint8)
     for d, (ymin, xmin, ymax, xmax) in enumerate(boxes.tolist()):
