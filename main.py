@@ -1,7 +1,6 @@
 """Mask R-CNN for TensorFlow 2: `python main.py train|eval|infer|export [flags]` (see --help)."""
 
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -21,9 +20,6 @@ RUNNERS = {
     "export": "mrcnn_tf2.runtime.export",
 }
 
-# Exit status of a mode whose runtime module is not part of the package yet.
-EXIT_NOT_AVAILABLE = 3
-
 
 def main(argv=None) -> int:
     args, config = parse(argv)
@@ -35,11 +31,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"main.py: error: {err}", file=sys.stderr)
         return 2
-    module = RUNNERS[args.mode]
-    if importlib.util.find_spec(module) is None:
-        print(f"main.py: mode '{args.mode}' is not available yet ({module} is not implemented)", file=sys.stderr)
-        return EXIT_NOT_AVAILABLE
-    return importlib.import_module(module).run(config) or 0
+    return importlib.import_module(RUNNERS[args.mode]).run(config) or 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 
 from mrcnn_tf2.config import BACKBONES, CUSTOM_OPS_MODES, Config, ConfigError
 
@@ -86,8 +87,31 @@ _FLAGS = {
         dict(action="store_true", help="measure img/s over benchmark_steps after the warm-up steps, then stop"),
     ),
     "benchmark_steps": ("runtime.benchmark_steps", dict(type=int, help="steps measured in benchmark mode")),
+    "eval_every_epochs": (
+        "eval.eval_every_epochs",
+        dict(type=int, help="in training with --eval_file, evaluate every N epochs (None: after the last step "
+                            "only, or every epoch with --min_bbox_map/--min_mask_map)"),
+    ),
     "min_bbox_map": ("eval.min_bbox_map", dict(type=float, help="stop training once bbox AP reaches this")),
     "min_mask_map": ("eval.min_mask_map", dict(type=float, help="stop training once mask AP reaches this")),
+    "input": (
+        "infer.input",
+        dict(help="infer on this image file, folder or glob of JPEG/PNG files (None: the validation TFRecords)"),
+    ),
+    "output_dir": ("infer.output_dir", dict(help="inference outputs (None: <model_dir>/inference)")),
+    "visualize": (
+        "infer.visualize",
+        dict(action="store_true", help="infer: also write PNGs with masks, boxes, class names and scores"),
+    ),
+    "label_map": (
+        "infer.label_map",
+        dict(help='JSON {"category id": "name"} for the pictures (None: --eval_file\'s names, else ids)'),
+    ),
+    "visualize_score_threshold": (
+        "infer.visualize_score_threshold",
+        dict(type=float, help="detections scoring below this are not drawn"),
+    ),
+    "export_dir": ("export.export_dir", dict(help="SavedModel directory (None: <model_dir>/saved_model)")),
     "custom_ops": (
         "runtime.custom_ops",
         dict(choices=CUSTOM_OPS_MODES, help="fused C++ ops: auto (when built), on (required), off (pure TF)"),
@@ -163,16 +187,25 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def check_inputs(mode: str, config: Config) -> None:
-    """Raises ConfigError when the TFRecords `mode` reads are missing (checked before any work starts)."""
+    """Raises ConfigError when files `mode` reads are missing (checked before any work starts).
+
+    Training checks the validation TFRecords too when it evaluates (--eval_file), so that a wrong path
+    fails now rather than after the first epoch.
+    """
     data = config.data
+    if config.eval.eval_file and mode in ("train", "eval", "infer") and not os.path.isfile(config.eval.eval_file):
+        raise ConfigError("--eval_file", f"no such file {config.eval.eval_file}")
+    if mode == "infer" and config.infer.label_map and not os.path.isfile(config.infer.label_map):
+        raise ConfigError("--label_map", f"no such file {config.infer.label_map}")
+    patterns = []
     if mode == "train":
-        explicit, pattern = data.training_file_pattern, data.resolved_training_pattern()
-    elif mode in ("eval", "infer"):
-        explicit, pattern = data.validation_file_pattern, data.resolved_validation_pattern()
-    else:
-        return
-    if not glob.glob(pattern):
-        raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
+        patterns.append((data.training_file_pattern, data.resolved_training_pattern()))
+    if (mode == "eval" or (mode == "train" and config.eval.eval_file)
+            or (mode == "infer" and (config.infer.input is None or config.runtime.benchmark))):
+        patterns.append((data.validation_file_pattern, data.resolved_validation_pattern()))
+    for explicit, pattern in patterns:
+        if not glob.glob(pattern):
+            raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
 
 
 def parse(argv=None):

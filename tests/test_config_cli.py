@@ -1,6 +1,7 @@
 """Config defaults, flags and overrides reaching the config, and the CLI's errors."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -91,9 +92,16 @@ FLAG_DEFAULTS = {
     "num_classes": 91,
     "accumulate_steps": 1,
     "benchmark": False,
+    "eval_every_epochs": None,
     "min_bbox_map": None,
     "min_mask_map": None,
     "custom_ops": "auto",
+    "input": None,
+    "output_dir": None,
+    "visualize": False,
+    "label_map": None,
+    "visualize_score_threshold": 0.5,
+    "export_dir": None,
 }
 
 
@@ -130,7 +138,9 @@ def test_flags_reach_the_config():
         "--learning_rate_boundaries 1 2 --momentum 0.8 --finetune_bn --use_synthetic_data --xla --amp "
         "--log_file /l.jsonl --log_every 4 --log_warmup_steps 6 --log_graph --log_tensorboard /tb -v "
         "--eagerly --backbone resnet18 --image_size 256 320 --num_classes 5 --accumulate_steps 2 "
-        "--benchmark --benchmark_steps 11 --min_bbox_map 0.3 --min_mask_map 0.2 --custom_ops off"
+        "--benchmark --benchmark_steps 11 --min_bbox_map 0.3 --min_mask_map 0.2 --custom_ops off "
+        "--eval_every_epochs 2 --input /photos --output_dir /o --visualize --label_map /labels.json "
+        "--visualize_score_threshold 0.3 --export_dir /x"
     ).split()
     _, config = arguments.parse(argv)
     expected = {
@@ -169,6 +179,13 @@ def test_flags_reach_the_config():
         "eval.min_bbox_map": 0.3,
         "eval.min_mask_map": 0.2,
         "runtime.custom_ops": "off",
+        "eval.eval_every_epochs": 2,
+        "infer.input": "/photos",
+        "infer.output_dir": "/o",
+        "infer.visualize": True,
+        "infer.label_map": "/labels.json",
+        "infer.visualize_score_threshold": 0.3,
+        "export.export_dir": "/x",
     }
     for path, value in expected.items():
         assert get(config, path) == value, path
@@ -232,6 +249,12 @@ def run_main(argv, capsys):
         (["--train_batch_size", "0"], ["--train_batch_size", ">= 1"]),
         (["--backbone", "resnet7"], ["--backbone", "resnet7"]),
         (["--data_dir", "/nonexistent/dir"], ["--data_dir", "no file matches /nonexistent/dir/train*.tfrecord"]),
+        (["--eval_every_epochs", "0"], ["--eval_every_epochs", ">= 1"]),
+        (["--min_bbox_map", "0.3"], ["--min_bbox_map", "needs --eval_file"]),
+        (["--eval_file", "/e.json", "--min_mask_map", "1.5"], ["--min_mask_map", "[0, 1]"]),
+        (["--eval_file", "/e.json", "--min_mask_map", "0.3", "--config_override", "model.include_mask=false"],
+         ["--min_mask_map", "no mask branch"]),
+        (["--eval_file", "/nonexistent/e.json"], ["--eval_file", "no such file /nonexistent/e.json"]),
     ],
 )
 def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys):
@@ -249,12 +272,26 @@ def test_explicit_pattern_that_matches_nothing_names_the_override(tmp_path, caps
     assert status == 2 and "--config_override" in lines[0] and "none-*.tfrecord" in lines[0]
 
 
-def test_mode_without_runtime_says_not_available(tmp_path, capsys, monkeypatch):
+def test_training_that_evaluates_needs_the_validation_records(tmp_path, capsys):
     (tmp_path / "train-00000-of-00001.tfrecord").write_bytes(b"")
-    monkeypatch.setitem(main.RUNNERS, "train", "mrcnn_tf2.runtime.not_a_module")
-    status, lines = run_main(["train", "--data_dir", str(tmp_path)], capsys)
-    assert status == main.EXIT_NOT_AVAILABLE
-    assert "not available yet" in lines[0]
+    (tmp_path / "val.json").write_text("{}")
+    status, lines = run_main(["train", "--data_dir", str(tmp_path), "--eval_file", str(tmp_path / "val.json")],
+                             capsys)
+    assert status == 2 and "--data_dir" in lines[0] and "val*.tfrecord" in lines[0]
+
+
+def test_eval_every_epochs_defaults_to_the_end_or_every_epoch_with_a_target():
+    config = Config()
+    assert config.eval.resolved_eval_every_epochs() is None
+    config.eval.min_mask_map = 0.3
+    assert config.eval.resolved_eval_every_epochs() == 1
+    config.eval.eval_every_epochs = 3
+    assert config.eval.resolved_eval_every_epochs() == 3
+
+
+def test_every_mode_has_its_runtime_module():
+    for module in main.RUNNERS.values():
+        assert importlib.util.find_spec(module) is not None, module
 
 
 def test_print_config_is_the_resolved_config_as_json(capsys):

@@ -14,7 +14,7 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
 from mrcnn_tf2.evaluation import coco_metrics
-from tests.test_train import ROOT, SMALL_FLAGS, main_py
+from tests.test_train import EVAL_FLAGS, ROOT, main_py
 
 # Non-contiguous COCO category ids: class id == category id, classes 2, 4-6 and 0 are not categories.
 CATEGORY_IDS = (1, 3, 7)
@@ -268,12 +268,6 @@ def test_bad_arguments_raise_value_errors(coco_gt):
         coco_metrics.format_table({})
 
 
-EVAL_FLAGS = [*SMALL_FLAGS, "--eval_batch_size", "2",
-              "--config_override", "model.rpn.test_rpn_pre_nms_topn=200",
-              "--config_override", "model.rpn.test_rpn_post_nms_topn=100",
-              "--config_override", "model.test.test_detections_per_image=10"]
-
-
 def run_main(*args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     return subprocess.run(main_py(*args), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -295,6 +289,8 @@ def test_main_eval_end_to_end(tmp_path, shapes_records):
     assert all(math.isfinite(v) and -1.0 <= v <= 1.0 for v in metrics.values())
     assert record["num_images"] == 3 and record["step"] == 2 and record["checkpoint"].endswith("ckpt-2")
     assert set(record["time_s"]) >= {"model", "pasting", "cocoeval"}
+    breakdown = next(line for line in result.stdout.splitlines() if line.startswith("[eval] 3 images"))
+    assert all(f"{name} " in breakdown for name in ("model", "pasting", "cocoeval"))
     with open(tmp_path / "detections.json") as f:
         detections = json.load(f)
     val_ids = sorted(image["id"] for image in shapes_records["annotations"]["val"]["images"])

@@ -1,4 +1,5 @@
-"""`main.py train`: schedule, accumulation, non-finite losses, resume after SIGKILL, corrupt checkpoints, benchmark."""
+"""`main.py train`: schedule, accumulation, non-finite losses, resume after SIGKILL, corrupt checkpoints, benchmark,
+evaluation during training and the early stop at the target APs."""
 
 import json
 import os
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.runtime import train as train_runtime
+from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
 from tests.test_model import small_config, synthetic_batch
 
@@ -28,6 +31,12 @@ SMALL_FLAGS = [
     "--config_override", "data.max_num_instances=8",
     "--config_override", "data.gt_mask_size=14",
 ]
+
+# SMALL_FLAGS with small inference budgets, for the runs that evaluate or infer.
+EVAL_FLAGS = [*SMALL_FLAGS, "--eval_batch_size", "2",
+              "--config_override", "model.rpn.test_rpn_pre_nms_topn=200",
+              "--config_override", "model.rpn.test_rpn_post_nms_topn=100",
+              "--config_override", "model.test.test_detections_per_image=10"]
 
 
 def main_py(*args):
@@ -196,3 +205,48 @@ def test_missing_training_files_are_a_clear_error(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 2
     assert "--data_dir" in result.stderr and "train*.tfrecord" in result.stderr
+
+
+def test_target_is_reached_when_every_given_ap_is_met():
+    metrics = {"bbox/AP": 0.40, "segm/AP": 0.30}
+    assert targets_reached(metrics, 0.377, 0.30)  # at the target counts
+    assert not targets_reached(metrics, 0.377, 0.342)  # one short: keep training
+    assert not targets_reached(metrics, 0.41, 0.2)
+    assert targets_reached(metrics, 0.377, None) and targets_reached(metrics, None, 0.3)  # one target given
+    assert not targets_reached(metrics, None, None)  # no target: never stop early
+    assert not targets_reached({"bbox/AP": 0.9}, 0.1, 0.1)  # no mask AP (Faster R-CNN) cannot meet a mask target
+
+
+def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records):
+    config = Config()
+    config.eval.eval_file = shapes_records["val_json"]
+    assert TrainingEvaluator.from_config(Config(), steps_per_epoch=5) is None  # no --eval_file: no evaluation
+    at_end = TrainingEvaluator.from_config(config, steps_per_epoch=5)
+    assert [step for step in range(1, 31) if at_end.due(step, last_step=30)] == [30]
+    config.eval.eval_every_epochs = 2
+    every_two = TrainingEvaluator.from_config(config, steps_per_epoch=5)
+    assert [step for step in range(1, 24) if every_two.due(step, last_step=23)] == [10, 20, 23]
+    config.eval.eval_every_epochs, config.eval.min_bbox_map = None, 0.3  # a target evaluates every epoch
+    assert [s for s in range(1, 16) if TrainingEvaluator.from_config(config, 5).due(s, 15)] == [5, 10, 15]
+
+
+def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shapes_records, capsys):
+    _, config = parse(["train", *EVAL_FLAGS, "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path),
+                       "--eval_file", shapes_records["val_json"], "--steps_per_epoch", "1", "--epochs", "3",
+                       "--eval_samples", "2", "--log_every", "1", "--log_tensorboard", str(tmp_path / "tb"),
+                       # Targets any model meets: the first evaluation (epoch 1) ends the run.
+                       "--min_bbox_map", "0", "--min_mask_map", "0"])
+    assert train_runtime.Trainer(config).run() == 0
+    out = capsys.readouterr().out
+    assert "[eval] step 1 epoch 1: bbox AP" in out and "mask AP" in out
+    assert "target reached" in out and "stopping training" in out
+    log = read_log(tmp_path / "log.jsonl")
+    (evaluation,) = [r for r in log if r["event"] == "eval"]
+    assert evaluation["step"] == 1 and evaluation["eval_images"] == 2
+    assert {"bbox/AP", "segm/AP", "segm/ARl"} <= set(evaluation)
+    assert [r["step"] for r in log if r["event"] == "done"] == [1]
+    assert [r["step"] for r in log if r["event"] == "metrics"] == [1]  # no step after the stop
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")  # the stopping step is saved
+    tags = {value.tag for path in tf.io.gfile.glob(str(tmp_path / "tb" / "*"))
+            for event in tf.compat.v1.train.summary_iterator(path) for value in event.summary.value}
+    assert {"bbox/AP", "segm/AP", "loss_total"} <= tags

@@ -7,7 +7,8 @@ scores them with COCOeval against eval.eval_file, prints the table, and writes t
 each under a temporary name then renamed: eval_results.json (metrics, checkpoint, step, image count,
 time breakdown) and detections.json (the COCO results).
 
-`evaluate_model(model, config)` is the part training can call between epochs on its live model.
+Training evaluates its live model with the same `run_evaluation` through `TrainingEvaluator`; `main.py
+infer` and `main.py export` restore their weights with `load_model`.
 """
 
 import dataclasses
@@ -17,18 +18,21 @@ import sys
 import time
 import warnings
 import weakref
+from typing import Optional
 
 import tensorflow as tf
 
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.runtime.train import set_precision
+from mrcnn_tf2.runtime.precision import set_precision
 
 # Exit status of a run that cannot start: no checkpoint, no annotation file, no validation image.
 EXIT_BAD_INPUT = 2
 RESULTS_FILE = "eval_results.json"
 DETECTIONS_FILE = "detections.json"
+# The COCO statistic of each AP that training reports and can stop at: box AP and mask AP.
+AP_KEYS = {"bbox": coco_metrics.metric_key("bbox", "AP"), "mask": coco_metrics.metric_key("segm", "AP")}
 
 # One traced predict function per model, so that repeated evaluations during training trace once.
 _PREDICT_FUNCTIONS = weakref.WeakKeyDictionary()
@@ -61,8 +65,11 @@ def predict_function(model, eagerly=False):
     return function
 
 
-def _pad_batch(batch, batch_size):
-    """Pads a partial last batch to `batch_size` by repeating its first image: one trace, static shapes."""
+def pad_batch(batch, batch_size):
+    """Pads a partial last batch to `batch_size` by repeating its first image: one trace, static shapes.
+
+    `batch` is a dict of tensors with the batch first ([b, ...], b <= batch_size); returns [batch_size, ...].
+    """
     count = int(batch["images"].shape[0])
     if count == batch_size:
         return batch
@@ -110,7 +117,7 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
         if max_images is not None:
             count = min(count, max_images - len(image_ids))
         toc = time.perf_counter()
-        outputs = predict(_pad_batch(batch, batch_size))
+        outputs = predict(pad_batch(batch, batch_size))
         outputs = {key: value.numpy()[:count] for key, value in outputs.items()}  # waits for the device
         time_s["input"] += toc - tic
         time_s["model"] += time.perf_counter() - toc
@@ -134,16 +141,7 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
     return Evaluation(metrics, results, len(image_ids), time_s)
 
 
-def evaluate_model(model, config, max_images=None, coco_gt=None):
-    """COCO metrics {'bbox/AP': float, ..., 'segm/ARl': float} of `model` (see `run_evaluation`).
-
-    For training: pass the live model; a preloaded `coco_gt` (coco_metrics.load_annotations) saves
-    reading eval.eval_file at every call. Segm metrics are absent for a model without mask branch.
-    """
-    return run_evaluation(model, config, max_images, coco_gt).metrics
-
-
-def _write_json_atomically(path, value):
+def write_json_atomically(path, value):
     """Writes `value` as JSON to `path` via a temporary file in the same directory, then renames it."""
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
@@ -155,8 +153,100 @@ def _write_json_atomically(path, value):
             os.remove(temporary)
 
 
-def _restore(model, config, path):
-    """Builds `model`'s variables and reads the model weights of checkpoint `path`; returns its step."""
+def targets_reached(metrics, min_bbox_map, min_mask_map):
+    """Whether training has reached its target: every given minimum AP is met (None: no target on it).
+
+    Args:
+      metrics: {'bbox/AP': float, 'segm/AP': float, ...} as `coco_metrics.evaluate` returns them.
+      min_bbox_map, min_mask_map: target bbox and mask (segm) AP, or None.
+
+    Returns:
+      bool; False when neither target is given (the run never stops early) and when a targeted AP is
+      missing from `metrics`.
+    """
+    given = {name: target for name, target in (("bbox", min_bbox_map), ("mask", min_mask_map)) if target is not None}
+    return bool(given) and all(metrics.get(AP_KEYS[name], -1.0) >= target for name, target in given.items())
+
+
+class TrainingEvaluator:
+    """COCO evaluation during training, and the early stop at the target APs (as NVIDIA's PyTorch seed does).
+
+    It evaluates after every eval.resolved_eval_every_epochs() epochs and after the last step, with
+    `run_evaluation` on the live model (the code of `main.py eval`), and logs the statistics: the APs on
+    the console, every statistic to the JSON-lines log (event 'eval') and to TensorBoard ('bbox/AP', ...).
+    Training stops once `targets_reached` says so.
+    """
+
+    def __init__(self, config, steps_per_epoch):
+        self.config = config
+        every = config.eval.resolved_eval_every_epochs()
+        self.interval = None if every is None else every * steps_per_epoch
+        self.steps_per_epoch = steps_per_epoch
+        # Read once: evaluations reuse it.
+        self.coco_gt = coco_metrics.load_annotations(config.eval.eval_file)
+
+    @classmethod
+    def from_config(cls, config, steps_per_epoch):
+        """The evaluator of a training run, or None when the run does not evaluate (no eval.eval_file)."""
+        return cls(config, steps_per_epoch) if config.eval.eval_file else None
+
+    def due(self, step, last_step):
+        """Whether update `step` (1-based) ends an evaluation interval or the run."""
+        return step == last_step or (self.interval is not None and step % self.interval == 0)
+
+    def evaluate_if_due(self, model, step, last_step, logger):
+        """Evaluates `model` when `due`, logs the result; returns True when training should stop."""
+        if not self.due(step, last_step):
+            return False
+        evaluation = run_evaluation(model, self.config, coco_gt=self.coco_gt)
+        metrics, seconds = evaluation.metrics, sum(evaluation.time_s.values())
+        aps = {name: metrics[key] for name, key in AP_KEYS.items() if key in metrics}
+        epoch = (step - 1) // self.steps_per_epoch + 1
+        line = (f"[eval] step {step} epoch {epoch}: " + "  ".join(f"{name} AP {ap:.4f}" for name, ap in aps.items())
+                + f"  ({evaluation.num_images} images, {seconds:.1f} s)")
+        logger.metrics(step, {**metrics, "eval_images": evaluation.num_images, "eval_time_s": seconds}, line,
+                       event="eval")
+        targets = {"bbox": self.config.eval.min_bbox_map, "mask": self.config.eval.min_mask_map}
+        if not targets_reached(metrics, targets["bbox"], targets["mask"]):
+            return False
+        logger.event("target reached", step=step, **{f"{name}_AP": f"{aps[name]:.4f} >= {target}"
+                                                     for name, target in targets.items() if target is not None},
+                     message="stopping training")
+        return True
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model restored for evaluation, inference or export."""
+
+    model: object  # the built MaskRCNN
+    checkpoint: Optional[str]  # the checkpoint read; None: freshly initialised weights
+    step: int  # the training step of the checkpoint (0 without one)
+    policy: str  # the Keras precision policy it was built under
+
+
+def load_model(config, require_checkpoint=True):
+    """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
+
+    Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
+    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
+
+    Args:
+      config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
+      require_checkpoint: without a checkpoint, raise (True) or keep the initial weights (False: benchmarks).
+
+    Returns:
+      a `LoadedModel`.
+
+    Raises:
+      ValueError naming model_dir or the checkpoint: no checkpoint, or one that does not fit the model.
+    """
+    model_dir = config.runtime.model_dir
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    if checkpoint is None and require_checkpoint:
+        raise ValueError(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
+    policy = set_precision(config.runtime.amp)
+    model = build_model(config)
     height, width = config.data.image_size
     batch_size = config.eval.eval_batch_size
     # A blank batch shaped like the evaluation batches builds the variables through the same trace that
@@ -166,11 +256,16 @@ def _restore(model, config, path):
         "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
         "source_ids": tf.zeros([batch_size], tf.int64),
     })
+    if checkpoint is None:
+        return LoadedModel(model, None, 0, policy)
     step = tf.Variable(0, dtype=tf.int64, trainable=False)
-    # Training checkpoints also hold the optimizer, which evaluation does not need (expect_partial); every
-    # model variable must be found in it, or this would evaluate freshly initialised weights.
-    tf.train.Checkpoint(model=model, step=step).read(path).expect_partial().assert_existing_objects_matched()
-    return int(step.numpy())
+    # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
+    try:
+        tf.train.Checkpoint(model=model, step=step).read(checkpoint).expect_partial().assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
+    return LoadedModel(model, checkpoint, int(step.numpy()), policy)
 
 
 def _fail(message):
@@ -186,42 +281,36 @@ def run(config):
         return _fail("--eval_file is required: the COCO annotation JSON of the validation images.")
     if not os.path.isfile(eval_file):
         return _fail(f"--eval_file {eval_file} does not exist.")
-    checkpoint = tf.train.latest_checkpoint(model_dir)
-    if checkpoint is None:
-        return _fail(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
     total = time.perf_counter()
-    policy = set_precision(config.runtime.amp)
-    model = build_model(config)
     try:
-        step = _restore(model, config, checkpoint)
-    except (AssertionError, ValueError, tf.errors.OpError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return _fail(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).")
+        loaded = load_model(config)
+    except ValueError as err:
+        return _fail(str(err))
     coco_gt = coco_metrics.load_annotations(eval_file)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a dropped-detections warning must show on every run
-            evaluation = run_evaluation(model, config, coco_gt=coco_gt)
+            evaluation = run_evaluation(loaded.model, config, coco_gt=coco_gt)
     except ValueError as err:
         return _fail(str(err))
     time_s = {**evaluation.time_s, "total": time.perf_counter() - total}
     print(coco_metrics.format_table(evaluation.metrics))
     model_s = evaluation.time_s["model"]
-    print(f"[eval] {evaluation.num_images} images, checkpoint {checkpoint} (step {step}): "
+    print(f"[eval] {evaluation.num_images} images, checkpoint {loaded.checkpoint} (step {loaded.step}): "
           + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in time_s.items()), flush=True)
     record = {
         "metrics": evaluation.metrics,
-        "checkpoint": checkpoint,
-        "step": step,
+        "checkpoint": loaded.checkpoint,
+        "step": loaded.step,
         "num_images": evaluation.num_images,
         "num_detections": len(evaluation.results),
         "eval_file": eval_file,
-        "precision": policy,
+        "precision": loaded.policy,
         "time_s": time_s,
         # Includes the first batch's tracing, so it understates the steady-state rate of short runs.
         "model_images_per_s": evaluation.num_images / model_s if model_s > 0 else None,
     }
     os.makedirs(model_dir, exist_ok=True)
-    _write_json_atomically(os.path.join(model_dir, DETECTIONS_FILE), evaluation.results)
-    _write_json_atomically(os.path.join(model_dir, RESULTS_FILE), record)
+    write_json_atomically(os.path.join(model_dir, DETECTIONS_FILE), evaluation.results)
+    write_json_atomically(os.path.join(model_dir, RESULTS_FILE), record)
     return 0

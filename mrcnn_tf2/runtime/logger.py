@@ -11,6 +11,12 @@ import os
 import time
 
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+# TensorBoard shows a record as a scalar when it carries this metadata. tf.summary.scalar, which adds it,
+# lives in the tensorboard package, which TensorFlow >= 2.20 no longer installs: write it ourselves.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
 
 
 def format_duration(seconds):
@@ -35,14 +41,15 @@ class RunLogger:
             details = " ".join(f"{k} {v}" for k, v in fields.items())
             print(f"[train] {name} {details}", flush=True)
 
-    def metrics(self, step, values, line):
-        """A metrics record at update `step`: JSON line, TensorBoard scalars, and `line` on the console."""
-        self._write({"event": "metrics", "time": time.time(), "step": step, **values})
+    def metrics(self, step, values, line, event="metrics"):
+        """A record of `values` at update `step`: JSON line (of kind `event`), TensorBoard scalars, and
+        `line` on the console."""
+        self._write({"event": event, "time": time.time(), "step": step, **values})
         if self.writer is not None:
             with self.writer.as_default(step=step):
                 for name, value in values.items():
                     if isinstance(value, (int, float)) and math.isfinite(value):
-                        tf.summary.scalar(name, value)
+                        tf.summary.write(name, tf.constant(value, tf.float32), metadata=_SCALAR_METADATA)
             self.writer.flush()
         if self.verbose:
             print(line, flush=True)

@@ -5,11 +5,13 @@ model, optimizer (momentum, iterations, loss scale) and the data seed live in th
 the same command resumes at the same step with the same learning rate. The input pipeline cannot be
 checkpointed cheaply (its shuffle buffer holds images): a resumed run reseeds it with its start step, so
 it reads a fresh, still reproducible order rather than replaying the first batches.
+
+With --eval_file the run also evaluates COCO AP on the validation set (`evaluate.TrainingEvaluator`: when,
+what it logs, and the early stop at --min_bbox_map / --min_mask_map).
 """
 
 import copy
 import glob
-import json
 import math
 import os
 import sys
@@ -21,28 +23,20 @@ import tensorflow as tf
 
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
+from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
+from mrcnn_tf2.runtime.precision import set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
 from weights.convert_keras_resnet import check_backbone_metadata
 
 # Exit status of a run stopped by a non-finite loss.
 EXIT_NON_FINITE = 4
-# Percentiles of the per-step latency that --benchmark reports.
-LATENCY_PERCENTILES = (50, 90, 95, 99)
 
 
 class NonFiniteLossError(RuntimeError):
     """A loss became NaN or infinite outside float16 loss scaling: training stops before any checkpoint."""
-
-
-def set_precision(amp):
-    """Sets the global Keras policy: mixed_float16 on GPU or mixed_bfloat16 on CPU with amp, else float32."""
-    policy = "float32"
-    if amp:
-        policy = "mixed_float16" if tf.config.list_physical_devices("GPU") else "mixed_bfloat16"
-    keras.mixed_precision.set_global_policy(policy)
-    return policy
 
 
 def count_records(file_pattern):
@@ -172,6 +166,8 @@ class Trainer:
         last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
                 else self.total_steps)
         update = self._update_fn()
+        # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP.
+        evaluator = None if runtime.benchmark else TrainingEvaluator.from_config(config, self.steps_per_epoch)
         batches = iter(self._dataset(start))
         step_times, window = [], []
         timer_start = None
@@ -193,9 +189,16 @@ class Trainer:
                 window = []
             if not runtime.benchmark and (step % runtime.checkpoint_every == 0 or epoch_end or step == last):
                 logger.event("checkpoint", step=step, path=self.keeper.save(step))
+            if evaluator is not None:
+                paused = time.perf_counter()
+                stop = evaluator.evaluate_if_due(self.model, step, last, logger)
+                if timer_start is not None:
+                    timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
+                if stop:
+                    break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
-            self._report_benchmark(logger, step_times)
-        logger.event("done", step=last)
+            report_benchmark("train", step_times, self.global_batch_size, self.policy, logger)
+        logger.event("done", step=step)
         return 0
 
     def _check_finite(self, step, values):
@@ -221,18 +224,6 @@ class Trainer:
         if rate:
             parts += [f"{rate:.2f} img/s", f"ETA {format_duration((last - step) * self.global_batch_size / rate)}"]
         logger.metrics(step, means, "[train] " + "  ".join(parts))
-
-    def _report_benchmark(self, logger, step_times):
-        times = np.array(step_times)
-        throughput = self.global_batch_size * len(times) / times.sum()
-        latency = {"mean": float(times.mean()), **{f"p{p}": float(np.percentile(times, p))
-                                                   for p in LATENCY_PERCENTILES}}
-        print(f"train throughput: {throughput:.3f} img/s")
-        print("train latency (s/step): " + "  ".join(f"{k} {v:.3f}" for k, v in latency.items()))
-        record = {"benchmark": "train", "throughput_img_per_s": throughput, "steps": len(times),
-                  "batch_size": self.global_batch_size, "precision": self.policy, "latency_s": latency}
-        print(json.dumps(record), flush=True)
-        logger.event("benchmark", echo=False, **record)
 
 
 def run(config):

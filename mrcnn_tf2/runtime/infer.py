@@ -1,0 +1,361 @@
+"""`main.py infer`: detections of the newest checkpoint on the validation TFRecords or on photos, as COCO
+results and, with --visualize, pictures; `main.py infer --benchmark`: inference throughput and latency.
+
+Images come from the validation TFRecords (at most eval.eval_samples, in file order, ids = COCO image ids)
+or, with --input, from an image file, a folder (its JPEG/PNG files, not recursive) or a glob (its JPEG/PNG
+matches), in sorted order with ids 1, 2, ... (an unreadable file's id stays unused). Photos are decoded
+with PIL, turned upright by their EXIF orientation, grayscale made RGB, and transparency composited over
+the ImageNet mean colour (which the normalisation maps to 0, like the padding); then every image is
+resized and padded by the evaluation pipeline's own `resize_and_pad`. A file that cannot be read is
+reported on stderr by name and skipped.
+
+Outputs in infer.output_dir (default <model_dir>/inference), each written under a temporary name then
+renamed; predictions.json is written last, so that its presence means a complete run:
+  images.json        [{id, file_name, height, width}] of the images read (file_name: the --input path,
+                     or the record's image id for TFRecords)
+  predictions.json   COCO results [{image_id, category_id, bbox [x, y, w, h], score, segmentation (RLE)}]
+                     in original-image pixels, masks pasted at 0.5, as `main.py eval` writes them
+  <name>.png         with --visualize: the image with its masks, boxes, class names and scores (detections
+                     scoring >= infer.visualize_score_threshold); <name> is the file's stem (the image id
+                     for TFRecords), with _<id> appended where two images would share a name
+Class ids are the category ids (see `coco_metrics`): with --eval_file only its categories are kept.
+Names in the pictures come from --label_map (a JSON object {"category id": "name"}), else from
+--eval_file's categories, else are the ids.
+
+Exit status: 0 when at least one image was processed (failures are on stderr), 2 when none could be, or
+when the checkpoint, --input or --label_map is unusable.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+from PIL import Image, ImageDraw, ImageFont, ImageOps
+
+from mrcnn_tf2.data.decoder import decode_example
+from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, InputPipeline, resize_and_pad
+from mrcnn_tf2.evaluation import coco_metrics
+from mrcnn_tf2.ops.masks import paste_masks
+from mrcnn_tf2.runtime.benchmark import report_benchmark
+from mrcnn_tf2.runtime.evaluate import load_model, pad_batch, predict_function, write_json_atomically
+
+EXIT_BAD_INPUT = 2
+PREDICTIONS_FILE = "predictions.json"
+IMAGES_FILE = "images.json"
+# Extensions of the files a folder or glob --input picks up (a file named directly is read whatever its name).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+# What transparent pixels become: the ImageNet mean normalises to 0, as the padding does.
+TRANSPARENT_FILL = tuple(int(round(v)) for v in IMAGENET_MEAN)
+# Drawing: mask overlay opacity, box outline width in pixels, label text size.
+MASK_OPACITY = 0.45
+BOX_WIDTH = 2
+FONT_SIZE = 12
+# Distinct colours, one per class id (cycled).
+PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+           (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40))
+
+
+@dataclasses.dataclass
+class Photo:
+    """One image to run on."""
+
+    image_id: int
+    name: str  # the --input path, or the image id for TFRecords
+    image: np.ndarray  # [h, w, 3] uint8 RGB
+
+
+# -- inputs -------------------------------------------------------------------------------------------------
+
+
+def list_image_files(pattern):
+    """Paths --input names, sorted: the file itself, a folder's JPEG/PNG files, or a glob's JPEG/PNG matches."""
+    if os.path.isfile(pattern):
+        return [pattern]
+    candidates = [os.path.join(pattern, name) for name in os.listdir(pattern)] if os.path.isdir(pattern) \
+        else glob.glob(pattern)
+    return sorted(path for path in candidates
+                  if os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS))
+
+
+def read_image(path):
+    """[h, w, 3] uint8 RGB of the image file at `path`, upright by its EXIF orientation.
+
+    Grayscale becomes RGB; transparency (RGBA, LA, palette with a transparent colour) is composited over
+    TRANSPARENT_FILL. Raises what PIL raises for an unreadable file (OSError and others).
+    """
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened)
+        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+            background = Image.new("RGBA", image.size, TRANSPARENT_FILL + (255,))
+            image = Image.alpha_composite(background, image.convert("RGBA"))
+        return np.asarray(image.convert("RGB"))
+
+
+def photos_from_files(paths):
+    """Yields a Photo per readable file of `paths` (ids 1, 2, ... in order); reports the others on stderr."""
+    for image_id, path in enumerate(paths, 1):
+        try:
+            image = read_image(path)
+        # PIL fails in many ways on a damaged or foreign file (OSError, SyntaxError, ValueError,
+        # DecompressionBombError...): any failure means this one file is skipped.
+        except Exception as err:  # noqa: BLE001
+            print(f"[infer] error: cannot read {path}: {err}", file=sys.stderr, flush=True)
+            continue
+        yield Photo(image_id, path, image)
+
+
+def photos_from_records(file_pattern, max_images=None):
+    """Yields a Photo per record of the TFRecords matching `file_pattern`, in file order (at most max_images)."""
+    records = tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(file_pattern)))
+    examples = records.map(lambda serialized: decode_example(serialized, include_masks=False),
+                           num_parallel_calls=tf.data.AUTOTUNE)
+    if max_images is not None:
+        examples = examples.take(max_images)
+    for example in examples:
+        image_id = int(example["source_id"])
+        yield Photo(image_id, str(image_id), example["image"].numpy())
+
+
+def preprocess(photos, image_size):
+    """A model input batch of `photos`, resized and padded as the evaluation pipeline does.
+
+    Returns:
+      dict with images [b, H, W, 3] float32, image_info [b, 5] float32, source_ids [b] int64.
+    """
+    images, infos = zip(*(resize_and_pad(tf.constant(photo.image), image_size)[:2] for photo in photos))
+    return {"images": tf.stack(images), "image_info": tf.stack(infos),
+            "source_ids": tf.constant([photo.image_id for photo in photos], tf.int64)}
+
+
+def detect(predict, photos, image_size, batch_size):
+    """Detections of up to `batch_size` photos, as NumPy arrays (the predict_step outputs of MaskRCNN).
+
+    Args:
+      predict: `evaluate.predict_function` of the model.
+      photos: list of b <= batch_size Photos (padded to batch_size for the model: one trace).
+      image_size: (H, W) of the model input.
+
+    Returns:
+      dict of [b, ...] arrays: detection_boxes [b, D, 4] in original-image pixels, detection_scores,
+      detection_classes, detection_masks [b, D, R, R], num_detections, image_info, source_ids.
+    """
+    outputs = predict(pad_batch(preprocess(photos, image_size), batch_size))
+    return {key: value.numpy()[:len(photos)] for key, value in outputs.items()}
+
+
+def batched(items, batch_size):
+    """Lists of up to `batch_size` consecutive items of the iterable `items`."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# -- class names --------------------------------------------------------------------------------------------
+
+
+def read_label_map(path):
+    """{category id: name} of a --label_map file: a JSON object {"1": "person", "3": "car", ...}."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--label_map {path}: cannot read it as JSON ({err})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f'--label_map {path}: must be a non-empty JSON object {{"category id": "name"}}')
+    names = {}
+    for key, name in raw.items():
+        if not str(key).strip().isdigit() or int(key) < 1 or not isinstance(name, str):
+            raise ValueError(f"--label_map {path}: entry {key!r}: {name!r} is not a category id >= 1 with a name")
+        names[int(key)] = name
+    return names
+
+
+def category_names(config):
+    """{class id: name} of the classes reported: --eval_file's categories, else every class of the model.
+
+    Names come from --label_map, else from --eval_file, else are the ids. Raises ValueError (naming the
+    file) for an unusable label map.
+    """
+    if config.eval.eval_file:
+        coco = coco_metrics.load_annotations(config.eval.eval_file)
+        names = {category["id"]: category["name"] for category in coco.loadCats(coco.getCatIds())}
+    else:
+        names = {class_id: str(class_id) for class_id in range(1, config.model.num_classes)}
+    if config.infer.label_map:
+        label_map = read_label_map(config.infer.label_map)
+        names = {class_id: label_map.get(class_id, name) for class_id, name in names.items()}
+    return names
+
+
+# -- drawing ------------------------------------------------------------------------------------------------
+
+
+def draw_detections(image, boxes, classes, scores, masks, names, score_threshold):
+    """The image with each detection scoring >= score_threshold drawn: mask overlay, box, 'name score'.
+
+    Args:
+      image: [h, w, 3] uint8 RGB.
+      boxes: [D, 4] float [ymin, xmin, ymax, xmax] in pixels of `image`.
+      classes: [D] int class ids; scores: [D] float in [0, 1].
+      masks: [D, R, R] float mask probabilities inside each box (pasted at coco_metrics.MASK_THRESHOLD),
+        or None to draw boxes only.
+      names: {class id: name}; ids it lacks are drawn as the id.
+      score_threshold: detections below it are left out.
+
+    Returns:
+      [h, w, 3] uint8 RGB, a new array.
+    """
+    image = np.asarray(image, np.uint8)
+    keep = np.asarray(scores) >= score_threshold
+    boxes = np.asarray(boxes, np.float32)[keep]
+    classes, scores = np.asarray(classes)[keep], np.asarray(scores)[keep]
+    colours = np.array([PALETTE[int(c) % len(PALETTE)] for c in classes], np.float32).reshape(-1, 3)
+    canvas = image.astype(np.float32)
+    if masks is not None and len(boxes):
+        pasted = paste_masks(np.asarray(masks, np.float32)[keep], boxes, image.shape[:2],
+                             threshold=coco_metrics.MASK_THRESHOLD)
+        for mask, colour in zip(pasted.astype(bool), colours):
+            canvas[mask] = (1.0 - MASK_OPACITY) * canvas[mask] + MASK_OPACITY * colour
+    picture = Image.fromarray(np.clip(np.round(canvas), 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(picture)
+    font = ImageFont.load_default(FONT_SIZE)
+    for (ymin, xmin, ymax, xmax), class_id, score, colour in zip(boxes.tolist(), classes, scores, colours):
+        colour = tuple(int(v) for v in colour)
+        draw.rectangle([xmin, ymin, xmax, ymax], outline=colour, width=BOX_WIDTH)
+        label = f"{names.get(int(class_id), str(int(class_id)))} {float(score):.2f}"
+        left, top, right, bottom = draw.textbbox((xmin, ymin), label, font=font)
+        # The label sits above the box, or inside it at the top when the box touches the image top.
+        shift = bottom - top + 2 if ymin >= bottom - top + 2 else 0
+        draw.rectangle([left, top - shift, right + 2, bottom - shift], fill=colour)
+        draw.text((xmin + 1, ymin - shift), label, fill=(0, 0, 0), font=font)
+    return np.asarray(picture)
+
+
+def save_png_atomically(path, image):
+    """Writes the [h, w, 3] uint8 `image` as PNG to `path` via a temporary file, then renames it."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        Image.fromarray(image).save(temporary, format="PNG")
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _picture_name(photo, taken):
+    """A PNG file name for `photo` that is not in `taken` (the names given so far and the inputs' own)."""
+    stem = os.path.splitext(os.path.basename(photo.name))[0]
+    name = f"{stem}.png"
+    if name in taken:
+        name = f"{stem}_{photo.image_id}.png"
+    taken.add(name)
+    return name
+
+
+# -- the runs -----------------------------------------------------------------------------------------------
+
+
+def _fail(message):
+    print(f"[infer] error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def run(config):
+    """Entry point of `main.py infer`; returns the exit status."""
+    if config.runtime.benchmark:
+        return benchmark(config)
+    infer = config.infer
+    try:
+        names = category_names(config)
+    except ValueError as err:
+        return _fail(str(err))
+    paths = []
+    if infer.input is not None:
+        paths = list_image_files(infer.input)
+        if not paths:
+            return _fail(f"--input {infer.input}: no JPEG or PNG file there")
+        photos = photos_from_files(paths)
+    else:
+        photos = photos_from_records(config.data.resolved_validation_pattern(), config.eval.eval_samples)
+    try:
+        loaded = load_model(config)
+    except ValueError as err:
+        return _fail(str(err))
+    output_dir = infer.resolved_output_dir(config.runtime.model_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    # A previous run's results must not pass for this run's until this run has completed.
+    for stale in (PREDICTIONS_FILE, IMAGES_FILE):
+        if os.path.exists(os.path.join(output_dir, stale)):
+            os.remove(os.path.join(output_dir, stale))
+    # A picture must not overwrite an input file that lives in output_dir.
+    real_output_dir = os.path.realpath(output_dir)
+    taken = {os.path.basename(p) for p in paths if os.path.dirname(os.path.realpath(p)) == real_output_dir}
+    predict = predict_function(loaded.model, config.runtime.eagerly)
+    batch_size = config.eval.eval_batch_size
+    results, images, dropped = [], [], 0
+    started = time.perf_counter()
+    for chunk in batched(photos, batch_size):
+        outputs = detect(predict, chunk, config.data.image_size, batch_size)
+        chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names)
+        results += chunk_results
+        dropped += chunk_dropped
+        for b, photo in enumerate(chunk):
+            height, width = photo.image.shape[:2]
+            images.append({"id": photo.image_id, "file_name": photo.name, "height": height, "width": width})
+            if infer.visualize:
+                count = int(outputs["num_detections"][b])
+                masks = outputs.get("detection_masks")
+                picture = draw_detections(
+                    photo.image, outputs["detection_boxes"][b, :count], outputs["detection_classes"][b, :count],
+                    outputs["detection_scores"][b, :count], None if masks is None else masks[b, :count], names,
+                    infer.visualize_score_threshold)
+                save_png_atomically(os.path.join(output_dir, _picture_name(photo, taken)), picture)
+    coco_metrics.warn_dropped(dropped, names)
+    if not images:
+        return _fail("no image could be read: nothing was written")
+    write_json_atomically(os.path.join(output_dir, IMAGES_FILE), images)
+    write_json_atomically(os.path.join(output_dir, PREDICTIONS_FILE), results)
+    failed = len(paths) - len(images) if paths else 0
+    print(f"[infer] {len(images)} images, {len(results)} detections in {time.perf_counter() - started:.1f} s "
+          f"(checkpoint {loaded.checkpoint}, step {loaded.step}): {os.path.join(output_dir, PREDICTIONS_FILE)}"
+          + (f"; {failed} unreadable files skipped (see above)" if failed else ""), flush=True)
+    return 0
+
+
+def benchmark(config):
+    """`main.py infer --benchmark`: times log_warmup_steps + benchmark_steps batches of eval_batch_size.
+
+    A step is the model on one batch, outputs copied to the host; reading the batch is left out. The
+    validation TFRecords are read in a loop (--use_synthetic_data: their first batch, repeated). Without a
+    checkpoint in model_dir the freshly initialised model is timed (said on stderr).
+    """
+    runtime, batch_size = config.runtime, config.eval.eval_batch_size
+    try:
+        loaded = load_model(config, require_checkpoint=False)
+    except ValueError as err:
+        return _fail(str(err))
+    if loaded.checkpoint is None:
+        print(f"[infer] no checkpoint in {runtime.model_dir}: timing freshly initialised weights", file=sys.stderr)
+    dataset = InputPipeline(config, training=False).dataset(config.data.resolved_validation_pattern(), batch_size)
+    dataset = dataset.take(1).cache().repeat() if config.data.use_synthetic_data else dataset.repeat()
+    predict = predict_function(loaded.model, runtime.eagerly)
+    batches = iter(dataset)
+    step_times = []
+    for step in range(runtime.log_warmup_steps + runtime.benchmark_steps):
+        batch = pad_batch(next(batches), batch_size)
+        tic = time.perf_counter()
+        {key: value.numpy() for key, value in predict(batch).items()}  # waits for the device
+        if step >= runtime.log_warmup_steps:
+            step_times.append(time.perf_counter() - tic)
+    report_benchmark("inference", step_times, batch_size, loaded.policy)
+    return 0

@@ -1,0 +1,307 @@
+"""`main.py infer` and `main.py export`: photo decoding (grayscale, alpha, EXIF), drawing, label maps, runs on
+photos with a corrupt file among them and on the validation TFRecords, the inference benchmark, and the
+SavedModel: round trip in a fresh process and `saved_model_cli run`, both equal to in-process inference.
+
+The model is a ResNet-18 at 128x128 with freshly initialised weights saved as a checkpoint: its class
+scores are near uniform, so every image gets its full quota of detections to compare and draw.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+import main
+from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.runtime import export, infer
+from mrcnn_tf2.runtime.evaluate import load_model, predict_function
+from tests.test_train import EVAL_FLAGS
+
+# EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
+EXIF_ORIENTATION, ROTATE_90_CW = 0x0112, 6
+
+
+def config_for(mode, *flags):
+    return parse([mode, *EVAL_FLAGS, *flags])[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A model_dir holding a checkpoint (step 0) of a freshly initialised model of EVAL_FLAGS."""
+    directory = str(tmp_path_factory.mktemp("initial_model"))
+    loaded = load_model(config_for("infer", "--model_dir", directory), require_checkpoint=False)
+    checkpoint = tf.train.Checkpoint(model=loaded.model, step=tf.Variable(0, dtype=tf.int64))
+    tf.train.CheckpointManager(checkpoint, directory, max_to_keep=1).save(checkpoint_number=0)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def photo(shapes_records):
+    """[h, w, 3] uint8 RGB of a generated validation image (a JPEG on disk)."""
+    images_dir = os.path.join(os.path.dirname(os.path.dirname(shapes_records["val_json"])), "val")
+    path = os.path.join(images_dir, sorted(os.listdir(images_dir))[1])
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def save_with_orientation(image, path, orientation):
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = orientation
+    image.save(path, exif=exif)
+
+
+# -- reading photos -------------------------------------------------------------------------------------------
+
+
+def test_read_image_makes_grayscale_rgb_composites_alpha_and_applies_exif(tmp_path, photo):
+    rgb = Image.fromarray(photo)
+    height, width = photo.shape[:2]
+
+    rgb.convert("L").save(tmp_path / "gray.png")
+    gray = infer.read_image(tmp_path / "gray.png")
+    assert gray.shape == (height, width, 3) and gray.dtype == np.uint8
+    np.testing.assert_array_equal(gray[..., 0], np.asarray(rgb.convert("L")))
+    assert (gray[..., 0] == gray[..., 1]).all() and (gray[..., 1] == gray[..., 2]).all()
+
+    # Left half transparent, right half opaque: transparency becomes the fill, opaque pixels stay.
+    rgba = np.concatenate([photo, np.full((height, width, 1), 255, np.uint8)], axis=-1)
+    rgba[:, : width // 2, 3] = 0
+    Image.fromarray(rgba).save(tmp_path / "rgba.png")
+    composited = infer.read_image(tmp_path / "rgba.png")
+    assert (composited[:, : width // 2] == infer.TRANSPARENT_FILL).all()
+    np.testing.assert_array_equal(composited[:, width // 2:], photo[:, width // 2:])
+    Image.fromarray(rgba).convert("LA").save(tmp_path / "la.png")
+    assert (infer.read_image(tmp_path / "la.png")[:, : width // 2] == infer.TRANSPARENT_FILL).all()
+    palette = rgb.convert("P")
+    palette.info["transparency"] = int(np.asarray(palette)[0, 0])  # the top-left pixel's colour
+    palette.save(tmp_path / "palette.png")
+    assert (infer.read_image(tmp_path / "palette.png")[0, 0] == infer.TRANSPARENT_FILL).all()
+
+    # Orientation 6: the stored pixels are shown rotated 90 degrees clockwise.
+    save_with_orientation(rgb, tmp_path / "rotated.png", ROTATE_90_CW)
+    np.testing.assert_array_equal(infer.read_image(tmp_path / "rotated.png"), np.rot90(photo, k=-1))
+    save_with_orientation(rgb, tmp_path / "rotated.jpg", ROTATE_90_CW)
+    assert infer.read_image(tmp_path / "rotated.jpg").shape == (width, height, 3)
+
+
+def test_list_image_files_takes_a_file_a_folder_or_a_glob(tmp_path):
+    for name in ("b.png", "a.JPG", "c.jpeg", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "d.png").write_bytes(b"x")
+    expected = [str(tmp_path / name) for name in ("a.JPG", "b.png", "c.jpeg")]
+    assert infer.list_image_files(str(tmp_path)) == expected  # not recursive, images only
+    assert infer.list_image_files(str(tmp_path / "*")) == expected
+    assert infer.list_image_files(str(tmp_path / "notes.txt")) == [str(tmp_path / "notes.txt")]  # named: read
+    assert infer.list_image_files(str(tmp_path / "none-*.png")) == []
+
+
+# -- class names and drawing ----------------------------------------------------------------------------------
+
+
+def test_label_map_names_the_classes_and_bad_files_name_themselves(tmp_path, shapes_records):
+    label_map = tmp_path / "labels.json"
+    label_map.write_text(json.dumps({"1": "disc", "3": "tri"}))
+    config = config_for("infer", "--label_map", str(label_map))
+    assert infer.category_names(config) == {1: "disc", 2: "2", 3: "tri", 4: "4", 5: "5"}
+    # With --eval_file: its categories only, its names where the label map has none.
+    with open(shapes_records["val_json"]) as f:
+        categories = {c["id"]: c["name"] for c in json.load(f)["categories"]}
+    config = config_for("infer", "--label_map", str(label_map), "--eval_file", shapes_records["val_json"])
+    assert infer.category_names(config) == {**categories, 1: "disc", 3: "tri"}
+    for content in ("[1, 2]", '{"one": "disc"}', '{"0": "background"}', "{not json"):
+        label_map.write_text(content)
+        with pytest.raises(ValueError, match=f"--label_map {label_map}"):
+            infer.category_names(config_for("infer", "--label_map", str(label_map)))
+
+
+def test_drawing_changes_the_image_where_objects_are_and_only_above_the_threshold():
+    image = np.full((80, 100, 3), 90, np.uint8)
+    boxes = np.array([[20, 30, 60, 70], [5, 5, 15, 15]], np.float32)
+    masks = np.zeros((2, 28, 28), np.float32)
+    masks[0, 7:21, 7:21] = 0.9  # the middle half of the first box
+    masks[1] = 1.0
+    drawn = infer.draw_detections(image, boxes, np.array([1, 2]), np.array([0.9, 0.2]), masks,
+                                  {1: "disc"}, score_threshold=0.5)
+    assert drawn.shape == image.shape and drawn.dtype == np.uint8
+    changed = np.any(drawn != image, axis=-1)
+    assert changed[35:45, 45:55].all()  # the mask's centre
+    assert changed[20:60, 30].any() and changed[59, 30:70].any()  # the box outline
+    assert changed[5:20, 30:60].any()  # the label above the box
+    assert not changed[65:, :].any() and not changed[25:, 80:].any()  # far from the object and its label
+    assert not changed[8:13, 8:13].any()  # the second detection scores below the threshold
+    # Without masks only the outline and label are drawn: the box's centre stays as it was.
+    boxes_only = infer.draw_detections(image, boxes, np.array([1, 2]), np.array([0.9, 0.2]), None, {}, 0.5)
+    assert (boxes_only[35:45, 45:55] == image[35:45, 45:55]).all() and (boxes_only != image).any()
+
+
+# -- main.py infer --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def photo_folder(tmp_path, photo):
+    """Photos of the kinds users have, and one corrupt JPEG among them."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rgb = Image.fromarray(photo)
+    rgb.save(folder / "colour.jpg")
+    rgb.convert("L").save(folder / "gray.png")
+    rgb.convert("RGBA").save(folder / "alpha.png")
+    save_with_orientation(rgb, folder / "rotated.jpg", ROTATE_90_CW)
+    (folder / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not a JPEG")
+    return folder
+
+
+def test_infer_on_photos_skips_a_corrupt_file_and_writes_predictions_and_pictures(
+        tmp_path, model_dir, photo_folder, photo, capsys):
+    output_dir = tmp_path / "out"
+    status = main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--input", str(photo_folder),
+                        "--output_dir", str(output_dir), "--visualize", "--visualize_score_threshold", "0"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert f"cannot read {photo_folder / 'corrupt.jpg'}" in captured.err
+    assert "1 unreadable files skipped" in captured.out
+    with open(output_dir / "images.json") as f:
+        images = {os.path.basename(image["file_name"]): image for image in json.load(f)}
+    height, width = photo.shape[:2]
+    assert set(images) == {"alpha.png", "colour.jpg", "gray.png", "rotated.jpg"}
+    assert (images["rotated.jpg"]["height"], images["rotated.jpg"]["width"]) == (width, height)  # upright
+    with open(output_dir / "predictions.json") as f:
+        predictions = json.load(f)
+    ids = {image["id"]: image for image in images.values()}
+    assert {p["image_id"] for p in predictions} == set(ids)  # every image has detections
+    for p in predictions:
+        image = ids[p["image_id"]]
+        assert p["segmentation"]["size"] == [image["height"], image["width"]]
+        assert 1 <= p["category_id"] <= 5 and 0 <= p["score"] <= 1
+    for name in images:
+        picture = np.asarray(Image.open(output_dir / (os.path.splitext(name)[0] + ".png")))
+        assert picture.shape == (images[name]["height"], images[name]["width"], 3)
+    assert (np.asarray(Image.open(output_dir / "colour.png")) != np.asarray(Image.open(photo_folder / "colour.jpg")
+                                                                             .convert("RGB"))).any()
+    assert not [name for name in os.listdir(output_dir) if ".tmp" in name]
+
+
+def test_infer_exits_2_when_no_image_can_be_read(tmp_path, model_dir, photo_folder, capsys):
+    output_dir = tmp_path / "out"
+    status = main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--input",
+                        str(photo_folder / "corrupt.jpg"), "--output_dir", str(output_dir)])
+    err = capsys.readouterr().err
+    assert status == 2 and "corrupt.jpg" in err and "no image could be read" in err
+    assert not (output_dir / "predictions.json").exists()
+    assert main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--input", str(tmp_path / "none")]) == 2
+    assert "--input" in capsys.readouterr().err
+
+
+def test_infer_on_validation_records_uses_their_image_ids(tmp_path, model_dir, shapes_records, capsys):
+    status = main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--data_dir", shapes_records["data_dir"],
+                        "--eval_file", shapes_records["val_json"], "--eval_samples", "3"])
+    assert status == 0, capsys.readouterr().err
+    output_dir = os.path.join(model_dir, "inference")  # the default
+    with open(os.path.join(output_dir, "images.json")) as f:
+        images = json.load(f)
+    val = sorted(shapes_records["annotations"]["val"]["images"], key=lambda image: image["id"])
+    assert [(i["id"], i["height"], i["width"]) for i in images] == [(i["id"], i["height"], i["width"])
+                                                                      for i in val[:3]]
+    with open(os.path.join(output_dir, "predictions.json")) as f:
+        assert {p["image_id"] for p in json.load(f)} <= {i["id"] for i in val[:3]}
+
+
+def test_infer_benchmark_prints_throughput_and_latency(shapes_records, capsys):
+    status = main.main(["infer", *EVAL_FLAGS, "--benchmark", "--use_synthetic_data", "--benchmark_steps", "3",
+                        "--data_dir", shapes_records["data_dir"], "--model_dir", "/nonexistent/model_dir"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "freshly initialised" in captured.err
+    lines = captured.out.splitlines()
+    throughput = [line for line in lines if line.startswith("inference throughput:")]
+    assert len(throughput) == 1 and throughput[0].endswith(" img/s")
+    record = json.loads(next(line for line in lines if line.startswith('{"benchmark"')))
+    assert record["benchmark"] == "inference" and record["steps"] == 3 and record["batch_size"] == 2
+    assert float(throughput[0].split()[2]) == pytest.approx(record["throughput_img_per_s"], rel=1e-3)
+    latency = record["latency_s"]
+    assert 0 < latency["p50"] <= latency["p90"] <= latency["p95"] <= latency["p99"]
+
+
+# -- main.py export -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(model_dir, tmp_path_factory):
+    """(export_dir, in-process detections of a PNG photo) for the round-trip tests."""
+    export_dir = str(tmp_path_factory.mktemp("export") / "saved_model")
+    assert export.run(config_for("export", "--model_dir", model_dir, "--export_dir", export_dir)) == 0
+    return export_dir
+
+
+@pytest.fixture(scope="module")
+def in_process(model_dir, photo):
+    """In-process inference (as `main.py infer` runs it) on `photo`, with the pure-TF ops the export uses."""
+    config = config_for("infer", "--model_dir", model_dir, "--custom_ops", "off")
+    predict = predict_function(load_model(config).model)
+    return infer.detect(predict, [infer.Photo(1, "photo", photo)], config.data.image_size,
+                        config.eval.eval_batch_size)
+
+
+OUTPUT_KEYS = ("detection_boxes", "detection_scores", "detection_classes", "detection_masks", "num_detections",
+               "image_info")
+
+
+def assert_same_detections(outputs, expected):
+    assert int(expected["num_detections"][0]) > 0  # there is something to compare
+    for key in OUTPUT_KEYS:
+        np.testing.assert_allclose(outputs[key], expected[key], rtol=1e-4, atol=1e-4, err_msg=key)
+
+
+# Runs in a fresh interpreter that imports TensorFlow only: neither this package nor its op library.
+FRESH_PROCESS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    export_dir, image_path, png_path, out_path = sys.argv[1:]
+    loaded = tf.saved_model.load(export_dir)
+    image = np.load(image_path)
+    outputs = {"images": loaded.signatures["serving_default"](images=tf.constant(image)),
+               "bytes": loaded.signatures["serving_bytes"](
+                   image_bytes=tf.constant([open(png_path, "rb").read()] * 2))}
+    np.savez(out_path, **{f"{kind}/{key}": value.numpy() for kind, result in outputs.items()
+                          for key, value in result.items()})
+    # Loading would have failed on an op that stock TensorFlow lacks; the package was never imported.
+    assert not [name for name in sys.modules if name.startswith("mrcnn_tf2")]
+""")
+
+
+def test_saved_model_runs_in_a_fresh_process_and_equals_in_process_inference(tmp_path, exported, in_process, photo):
+    np.save(tmp_path / "image.npy", photo[None])
+    Image.fromarray(photo).save(tmp_path / "image.png")  # lossless: the same pixels after decoding
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, exported, str(tmp_path / "image.npy"),
+                             str(tmp_path / "image.png"), str(tmp_path / "out.npz")],
+                            capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = np.load(tmp_path / "out.npz")
+    assert_same_detections({key: outputs[f"images/{key}"] for key in OUTPUT_KEYS}, in_process)
+    for index in range(2):  # a batch of two encoded images: each equals the uint8 path
+        assert_same_detections({key: outputs[f"bytes/{key}"][index:index + 1] for key in OUTPUT_KEYS}, in_process)
+
+
+def test_saved_model_cli_runs_the_serving_signature(tmp_path, exported, in_process, photo):
+    np.save(tmp_path / "image.npy", photo[None])
+    cli = shutil.which("saved_model_cli", path=os.path.dirname(sys.executable))
+    assert cli, f"saved_model_cli is not installed next to {sys.executable}"
+    result = subprocess.run([cli, "run", "--dir", exported, "--tag_set", "serve", "--signature_def",
+                             "serving_default", "--inputs", f"images={tmp_path / 'image.npy'}",
+                             "--outdir", str(tmp_path / "cli")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_detections({key: np.load(tmp_path / "cli" / f"{key}.npy") for key in OUTPUT_KEYS}, in_process)
+
+
+def test_export_without_a_checkpoint_exits_2_and_writes_nothing(tmp_path, capsys):
+    status = export.run(config_for("export", "--model_dir", str(tmp_path / "untrained")))
+    assert status == 2 and "no checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "untrained").exists()
