@@ -1,9 +1,11 @@
 # The package on TensorFlow's 2.21 image, set up by the same script as a fresh clone (scripts/setup.sh):
-# a .venv with requirements.txt's exact pins and the native parts built against that TensorFlow.
+# a .venv with requirements.txt's exact pins and the native parts built against that TensorFlow (the fused
+# ops, and Horovod with Gloo and, Open MPI being installed, MPI).
 FROM tensorflow/tensorflow:2.21.0
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make g++ python3-venv python3-dev git \
+    && apt-get install -y --no-install-recommends make cmake g++ python3-venv python3-dev git \
+       openmpi-bin libopenmpi-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /workspace/mrcnn_tf2

@@ -22,4 +22,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # Fused C++ ops (ops/build/libmrcnn_ops.so); ops/build.sh keeps its own stamp of sources + TF version.
 bash ops/build.sh "$VENV/bin/python"
+# Horovod from its sdist with the project's patch (horovodrun --gloo; MPI too when mpicxx is present).
+bash scripts/build_horovod.sh "$VENV/bin/python"
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"

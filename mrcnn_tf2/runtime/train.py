@@ -25,6 +25,7 @@ from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.model.factory import build_model
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
+from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS, init_world
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import set_precision
@@ -48,17 +49,23 @@ def count_records(file_pattern):
 
 
 class Trainer:
-    """Builds everything a run needs from a Config and runs the loop (see `run`)."""
+    """Builds everything a run needs from a Config and runs the loop (see `run`).
 
-    def __init__(self, config, num_workers=1, worker_index=0):
+    `world` (runtime.distributed.World) is this process's place in a Horovod job: each rank reads its own
+    shard of the files, gradients are averaged over ranks once per update, and rank 0 alone restores,
+    writes checkpoints, logs and summaries, and evaluates.
+    """
+
+    def __init__(self, config, world=SINGLE_PROCESS):
         self.config = config
         train, runtime = config.train, config.runtime
         if train.seed is not None:
             keras.utils.set_random_seed(train.seed)
         self.policy = set_precision(runtime.amp)
-        self.num_workers, self.worker_index = num_workers, worker_index
+        self.world = world
+        self.num_workers, self.worker_index = world.size, world.rank
         self.pattern = config.data.resolved_training_pattern()
-        self.global_batch_size = train.train_batch_size * train.accumulate_steps * num_workers
+        self.global_batch_size = train.train_batch_size * train.accumulate_steps * world.size
         self.steps_per_epoch = train.steps_per_epoch
         if self.steps_per_epoch is None:
             records = count_records(self.pattern)
@@ -89,26 +96,36 @@ class Trainer:
     def _update_fn(self):
         """tf.function(batches) -> losses averaged over the accumulate_steps batches, after one update.
 
-        Each batch's gradients (of loss / accumulate_steps) are summed and applied once: the update equals
-        one on a batch accumulate_steps times larger. The batches are unrolled in one function, so the sum
-        is of tensors and needs no accumulator variables.
+        Each batch's gradients (of loss / accumulate_steps) are summed, averaged over the Horovod ranks and
+        applied once: the update equals one on a batch accumulate_steps x ranks times larger. The batches
+        are unrolled in one function, so the sum is of tensors and needs no accumulator variables. With
+        --xla the gradients are computed in a compiled function and the allreduce and the update run
+        outside it (Horovod's ops cannot be compiled).
         """
-        model, optimizer = self.model, self.optimizer
+        model, optimizer, world = self.model, self.optimizer, self.world
         count = self.config.train.accumulate_steps
 
-        def update(batches):
+        def accumulated_gradients(batches):
             losses, gradients = model.compute_gradients(batches[0], 1.0 / count)
             for batch in batches[1:]:
                 batch_losses, batch_gradients = model.compute_gradients(batch, 1.0 / count)
                 losses = {name: value + batch_losses[name] for name, value in losses.items()}
                 gradients = [total + gradient for total, gradient in zip(gradients, batch_gradients)]
+            return losses, gradients
+
+        if self.config.runtime.xla and not self.config.runtime.eagerly:
+            accumulated_gradients = tf.function(accumulated_gradients, jit_compile=True)
+
+        def update(batches):
+            losses, gradients = accumulated_gradients(batches)
+            gradients = world.average_gradients(gradients)
             optimizer.apply_gradients(zip(gradients, model.trainable_variables))
             self.step.assign_add(1)
             return {name: value / count for name, value in losses.items()}
 
         if self.config.runtime.eagerly:
             return update
-        return tf.function(update, jit_compile=self.config.runtime.xla or None)
+        return tf.function(update)
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -121,9 +138,18 @@ class Trainer:
             self.pattern, config.train.train_batch_size, self.worker_index, self.num_workers)
 
     def _restore_or_initialise(self, batch, logger):
-        """Restores the latest checkpoint, or loads the pretrained backbone in a new run; returns the step."""
-        runtime = self.config.runtime
+        """Builds the variables, then rank 0 restores or initialises them and every rank takes rank 0's
+        (model, optimizer, step); returns the step."""
         self._build(batch)
+        # Only rank 0 reads model_dir and the backbone checkpoint: other machines need not see them.
+        if self.world.is_chief:
+            self._restore_or_load_backbone(logger)
+        self.world.broadcast_variables([*self.model.variables, *self.optimizer.variables, self.step])
+        return int(self.step.numpy())
+
+    def _restore_or_load_backbone(self, logger):
+        """Restores the latest checkpoint, or loads the pretrained backbone in a new run."""
+        runtime = self.config.runtime
         objects = dict(model=self.model, optimizer=self.optimizer, step=self.step)
         self.keeper = CheckpointKeeper(runtime.model_dir, runtime.keep_checkpoints, **objects)
         path = self.keeper.restore_latest()
@@ -135,13 +161,15 @@ class Trainer:
             tf.train.Checkpoint(backbone=self.model.backbone).read(
                 self.config.train.backbone_checkpoint).assert_existing_objects_matched().expect_partial()
             logger.event("backbone loaded", checkpoint=self.config.train.backbone_checkpoint)
-        return int(self.step.numpy())
 
     def run(self):
         """Trains to epochs * steps_per_epoch updates (or benchmarks); returns the process exit status."""
         config, runtime = self.config, self.config.runtime
-        log_file = runtime.log_file or os.path.join(runtime.model_dir, "log.jsonl")
-        logger = RunLogger(log_file, runtime.log_tensorboard, verbose=self.worker_index == 0)
+        if self.world.is_chief:
+            log_file = runtime.log_file or os.path.join(runtime.model_dir, "log.jsonl")
+            logger = RunLogger(log_file, runtime.log_tensorboard)
+        else:
+            logger = RunLogger(os.devnull, verbose=False)  # rank 0 reports for the job; errors still print
         try:
             return self._loop(logger)
         except NonFiniteLossError as err:
@@ -167,7 +195,9 @@ class Trainer:
                 else self.total_steps)
         update = self._update_fn()
         # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP.
-        evaluator = None if runtime.benchmark else TrainingEvaluator.from_config(config, self.steps_per_epoch)
+        # Under Horovod rank 0 evaluates alone; the others wait for it in the next update's allreduce.
+        evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch)
+                     if self.world.is_chief and not runtime.benchmark else None)
         batches = iter(self._dataset(start))
         step_times, window = [], []
         timer_start = None
@@ -187,7 +217,8 @@ class Trainer:
             if step % runtime.log_every == 0 or step == last:
                 self._log_metrics(logger, step, last, window, step_times, timer_start)
                 window = []
-            if not runtime.benchmark and (step % runtime.checkpoint_every == 0 or epoch_end or step == last):
+            if (self.world.is_chief and not runtime.benchmark
+                    and (step % runtime.checkpoint_every == 0 or epoch_end or step == last)):
                 logger.event("checkpoint", step=step, path=self.keeper.save(step))
             if evaluator is not None:
                 paused = time.perf_counter()
@@ -197,9 +228,23 @@ class Trainer:
                 if stop:
                     break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
-            report_benchmark("train", step_times, self.global_batch_size, self.policy, logger)
+            self._report_benchmark(logger, step_times)
         logger.event("done", step=step)
         return 0
+
+    def _report_benchmark(self, logger, step_times):
+        """Rank 0 prints the job's img/s and, under Horovod, each worker's (their mean over the single-
+        process figure is the scaling efficiency)."""
+        local_batch = self.global_batch_size // self.num_workers
+        per_worker = self.world.allgather_object(local_batch * len(step_times) / float(np.sum(step_times)))
+        if not self.world.is_chief:
+            return
+        report_benchmark("train", step_times, self.global_batch_size, self.policy, logger)
+        if self.num_workers > 1:
+            rates = "  ".join(f"{rate:.3f}" for rate in per_worker)
+            print(f"train per-worker throughput: {np.mean(per_worker):.3f} img/s over {self.num_workers} workers "
+                  f"(rank 0..{self.num_workers - 1}: {rates})", flush=True)
+            logger.event("benchmark workers", echo=False, workers=self.num_workers, per_worker_img_per_s=per_worker)
 
     def _check_finite(self, step, values):
         if all(math.isfinite(v) for v in values.values()):
@@ -228,4 +273,4 @@ class Trainer:
 
 def run(config):
     """Entry point of `main.py train`."""
-    return Trainer(config).run()
+    return Trainer(config, init_world()).run()

@@ -1,0 +1,63 @@
+"""One rank of test_distributed's sync test, run under `horovodrun -np 2`: python tests/distributed_sync.py OUT_DIR STEPS.
+
+Each rank builds the Trainer of `sync_config` with its own seed (so the weights differ until the
+broadcast), takes its image of the fixed two-image batch (rank r: image r), runs STEPS updates and writes
+OUT_DIR/rank<r>.npz: the trainable weights after the broadcast (`initial_<i>`) and after the updates
+(`final_<i>`), in model.trainable_variables order.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from mrcnn_tf2.runtime.distributed import init_world  # noqa: E402
+from mrcnn_tf2.runtime.logger import RunLogger  # noqa: E402
+from mrcnn_tf2.runtime.train import Trainer  # noqa: E402
+from tests.test_model import small_config, synthetic_batch  # noqa: E402
+
+
+def sync_config(batch_size, seed, model_dir):
+    """The accumulation test's Faster R-CNN with every proposal sampled: its loss is a mean of equally
+    weighted per-image terms when each image holds one object, so 2 ranks x 1 image must equal 1 x 2."""
+    config = small_config()
+    config.model.include_mask = False
+    config.model.roi.batch_size_per_im = 128
+    config.model.roi.fg_fraction = 1.0
+    config.model.rpn.train_rpn_post_nms_topn = 20
+    config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+    config.train.train_batch_size = batch_size
+    config.train.seed = seed
+    config.train.steps_per_epoch = 10
+    config.data.training_file_pattern = "/nonexistent/train-*.tfrecord"  # never read: steps_per_epoch is set
+    config.runtime.model_dir = model_dir
+    return config
+
+
+def combined_batch():
+    """The two-image batch, one object in each image."""
+    return synthetic_batch(small_config(), objects_per_image=(1, 1))
+
+
+def main(out_dir, steps):
+    world = init_world()
+    if world.size != 2:
+        raise SystemExit(f"run under horovodrun -np 2 (world size is {world.size})")
+    trainer = Trainer(sync_config(1, seed=1 + world.rank, model_dir=os.path.join(out_dir, "model")), world)
+    batch = tf.nest.map_structure(lambda t: t[world.rank:world.rank + 1], combined_batch())
+    trainer._restore_or_initialise(batch, RunLogger(os.devnull, verbose=False))
+    initial = [v.numpy() for v in trainer.model.trainable_variables]
+    update = trainer._update_fn()
+    for _ in range(steps):
+        update([batch])
+    final = [v.numpy() for v in trainer.model.trainable_variables]
+    np.savez(os.path.join(out_dir, f"rank{world.rank}.npz"),
+             **{f"initial_{i}": v for i, v in enumerate(initial)}, **{f"final_{i}": v for i, v in enumerate(final)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
