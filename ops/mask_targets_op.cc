@@ -114,11 +114,9 @@ class MaskTargetsOp : public OpKernel {
         ComputeAxis(roi[0], roi[2], gt[0], gt[2], M, R, &ys);
         ComputeAxis(roi[1], roi[3], gt[1], gt[3], M, R, &xs);
         // Cell k of the edge-padded crop is cell clamp(k - 1, 0, M - 1) of the crop.
-        auto cell = [&](int y, int x) {
-          return crop[std::min(std::max(y - 1, 0), M - 1) * M + std::min(std::max(x - 1, 0), M - 1)];
-        };
-        // crop_and_resize's taps, per column once: [left, right] cells and the lerp; ok false where the
-        // point is outside the crop (extrapolation value 0) or outside the GT box (target 0 anyway).
+        auto unpad = [&](int k) { return std::min(std::max(k - 1, 0), M - 1); };
+        // crop_and_resize's taps, per column once: [left, right] crop columns and the lerp; ok false where
+        // the point is outside the padded crop (extrapolation value 0) or outside the GT box (target 0).
         const float limit = static_cast<float>(M + 1);
         int left[64], right[64];
         float x_lerp[64];
@@ -126,9 +124,10 @@ class MaskTargetsOp : public OpKernel {
         for (int j = 0; j < R; ++j) {
           const float in_x = xs.in[j];
           column_ok[j] = xs.inside[j] && in_x >= 0.0f && in_x <= limit;
-          left[j] = column_ok[j] ? static_cast<int>(std::floor(in_x)) : 0;
-          right[j] = column_ok[j] ? static_cast<int>(std::ceil(in_x)) : 0;
-          x_lerp[j] = in_x - left[j];
+          const int floor_x = column_ok[j] ? static_cast<int>(std::floor(in_x)) : 0;
+          x_lerp[j] = in_x - floor_x;
+          left[j] = unpad(floor_x);
+          right[j] = unpad(column_ok[j] ? static_cast<int>(std::ceil(in_x)) : 0);
         }
         for (int i = 0; i < R; ++i) {
           const float in_y = ys.in[i];
@@ -137,13 +136,15 @@ class MaskTargetsOp : public OpKernel {
             std::fill(out_row, out_row + R, 0.0f);
             continue;
           }
-          const int top = static_cast<int>(std::floor(in_y)), bottom = static_cast<int>(std::ceil(in_y));
-          const float y_lerp = in_y - top;
+          const int floor_y = static_cast<int>(std::floor(in_y));
+          const float y_lerp = in_y - floor_y;
+          const float* top = crop + unpad(floor_y) * M;
+          const float* bottom = crop + unpad(static_cast<int>(std::ceil(in_y))) * M;
           for (int j = 0; j < R; ++j) {
             float value = 0.0f;  // crop_and_resize's extrapolation value
             if (column_ok[j]) {
-              const float top_left = cell(top, left[j]), top_right = cell(top, right[j]);
-              const float bottom_left = cell(bottom, left[j]), bottom_right = cell(bottom, right[j]);
+              const float top_left = top[left[j]], top_right = top[right[j]];
+              const float bottom_left = bottom[left[j]], bottom_right = bottom[right[j]];
               const float upper = top_left + (top_right - top_left) * x_lerp[j];
               const float lower = bottom_left + (bottom_right - bottom_left) * x_lerp[j];
               value = upper + (lower - upper) * y_lerp;
