@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import Config
+from mrcnn_tf2.runtime import precision
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
@@ -250,3 +252,26 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     tags = {value.tag for path in tf.io.gfile.glob(str(tmp_path / "tb" / "*"))
             for event in tf.compat.v1.train.summary_iterator(path) for value in event.summary.value}
     assert {"bbox/AP", "segm/AP", "loss_total"} <= tags
+
+
+@pytest.mark.parametrize("flags, expected", [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                             ("avx2 amx_bf16 amx_tile", True)])
+def test_bfloat16_instructions_are_read_from_cpuinfo(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert precision.cpu_has_bfloat16(str(cpuinfo)) is expected
+    assert precision.cpu_has_bfloat16(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("has_bfloat16, expected", [(True, "mixed_bfloat16"), (None, "mixed_bfloat16"),
+                                                    (False, "float32")])
+def test_amp_on_cpu_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch, capsys, has_bfloat16, expected):
+    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: has_bfloat16)
+    try:
+        assert precision.set_precision(True) == expected
+        assert keras.mixed_precision.global_policy().name == expected
+        warned = "--amp is ignored" in capsys.readouterr().err
+        assert warned == (has_bfloat16 is False)
+        assert precision.set_precision(False) == "float32"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
