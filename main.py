@@ -31,7 +31,14 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"main.py: error: {err}", file=sys.stderr)
         return 2
-    return importlib.import_module(RUNNERS[args.mode]).run(config) or 0
+    runner = importlib.import_module(RUNNERS[args.mode])
+    from mrcnn_tf2.ops.fused import CustomOpsUnavailable  # imports TensorFlow: after the argument checks
+
+    try:
+        return runner.run(config) or 0
+    except CustomOpsUnavailable as err:  # --custom_ops on, and the library cannot be used
+        print(f"main.py: error: --custom_ops on: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -52,10 +52,14 @@ _FLAGS = {
         "data.use_synthetic_data",
         dict(action="store_true", help="repeat one real batch (measures the model without the input pipeline)"),
     ),
-    "xla": ("runtime.xla", dict(action="store_true", help="jit-compile the dense parts of the step")),
+    "xla": (
+        "runtime.xla",
+        dict(action="store_true", help="train: jit-compile the gradient computation (custom ops: their twins)"),
+    ),
     "amp": (
         "runtime.amp",
-        dict(action="store_true", help="mixed precision: float16 on GPU, bfloat16 on CPU"),
+        dict(action="store_true",
+             help="mixed precision: float16 on GPU; bfloat16 on a CPU with bfloat16 instructions, else float32"),
     ),
     "log_file": ("runtime.log_file", dict(help="JSON-lines log (None: <model_dir>/log.jsonl)")),
     "checkpoint_every": (

@@ -249,9 +249,9 @@ class RuntimeConfig:
     """Where outputs go, how the step is compiled, what is logged and measured."""
 
     model_dir: str = "/results"
-    # Mixed precision: float16 on GPU, bfloat16 on CPU.
+    # Mixed precision: float16 on GPU; bfloat16 on a CPU with bfloat16 instructions, else float32 (warned).
     amp: bool = False
-    # Jit-compile the dense parts of the step (custom ops stay outside).
+    # Train: jit-compile the gradient computation; the custom ops give way to their pure-TF twins.
     xla: bool = False
     # Run the step eagerly (debugging).
     eagerly: bool = False

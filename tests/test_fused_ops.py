@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import build_model
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
@@ -56,6 +57,17 @@ def test_on_raises_naming_the_library(missing_library):
     assert missing_library in str(error.value)
 
 
+def test_main_with_on_and_no_library_is_a_one_line_error(missing_library, shapes_records, tmp_path, capsys):
+    import main
+
+    status = main.main(["train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path),
+                        "--backbone", "resnet18", "--num_classes", "6", "--custom_ops", "on"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("main.py: error: --custom_ops on:") and missing_library in err
+    assert "Traceback" not in err
+
+
 def test_on_refuses_a_library_built_for_another_tensorflow(monkeypatch, tmp_path):
     fake = tmp_path / "libmrcnn_ops.so"
     fake.write_bytes(b"not a library")
@@ -73,9 +85,8 @@ def test_on_refuses_a_library_built_for_another_tensorflow(monkeypatch, tmp_path
         fused._reset_for_tests()
 
 
-def test_off_xla_and_bad_modes():
+def test_off_and_bad_modes():
     assert fused.use_fused("off") is False
-    assert fused.use_fused("on", xla=True) is False
     assert fused.use_fused("on") is True and fused.use_fused("auto") is True
     with pytest.raises(ValueError, match="mode"):
         fused.use_fused("yes")
@@ -83,8 +94,9 @@ def test_off_xla_and_bad_modes():
 
 def test_factory_passes_the_choice_to_the_stages():
     config = small_config()
+    # Under --xla the fused ops still run: only the dense layers are compiled.
     for mode, xla, export, want in [("on", False, False, True), ("off", False, False, False),
-                                    ("on", True, False, False), ("auto", False, True, False)]:
+                                    ("on", True, False, True), ("auto", False, True, False)]:
         config.runtime.custom_ops, config.runtime.xla = mode, xla
         model = build_model(config, export=export)
         stages = (model.proposal_generator, model.box_roi_aligner, model.mask_roi_aligner,
@@ -399,6 +411,22 @@ def test_paste_masks_of_many_detections(rng):
 def test_paste_masks_bad_arguments_are_the_twins():
     with pytest.raises(ValueError, match="image_hw"):
         fused.paste_masks(np.zeros((2, 4, 4)), np.zeros((2, 4)), (8,))
+
+
+def test_evaluation_pastes_with_the_fused_op_unless_ops_are_off(rng):
+    assert fused.paste_masks_for("on") is fused.paste_masks
+    assert fused.paste_masks_for("off") is masks.paste_masks
+    # COCO results (RLE included) of one image's detections are the same through either paster.
+    boxes = np.array([[[5.2, 7.9, 40.3, 33.1], [-3.0, 50.0, 20.0, 90.5], [60.0, 10.0, 61.0, 11.0]]], np.float32)
+    predictions = {
+        "detection_boxes": boxes, "detection_scores": np.array([[0.9, 0.8, 0.7]], np.float32),
+        "detection_classes": np.array([[1, 2, 1]]), "num_detections": np.array([3]),
+        "detection_masks": rng.uniform(size=(1, 3, 28, 28)).astype(np.float32),
+        "image_info": np.array([[128, 128, 1.0, 70, 100]], np.float32), "source_ids": np.array([7]),
+    }
+    with_fused, _ = coco_metrics.convert_detections(predictions, [1, 2], fused.paste_masks)
+    with_twin, _ = coco_metrics.convert_detections(predictions, [1, 2], masks.paste_masks)
+    assert with_fused == with_twin and len(with_fused) == 3
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

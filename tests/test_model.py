@@ -196,3 +196,28 @@ def test_checkpoint_holds_every_weight_and_restores_predictions(config, batch, t
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     np.testing.assert_array_equal(model.predict_step(batch)["detection_scores"].numpy(),
                                   restored.predict_step(batch)["detection_scores"].numpy())
+
+
+def test_xla_compiles_the_dense_layers_and_gives_the_same_step(batch):
+    config = small_config()
+    results = {}
+    for xla in (False, True):
+        config.runtime.xla = xla
+        keras.utils.set_random_seed(0)
+        model = build_model(config)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+        model(batch, training=True)  # builds every layer: later calls take the compiled path
+        keras.utils.set_random_seed(1)  # the same RoI sampling draws in both runs
+        losses, grads = model.compute_gradients(batch)
+        detections = model.predict_step(batch)
+        results[xla] = ({k: float(v) for k, v in losses.items()}, [tf.convert_to_tensor(g).numpy() for g in grads],
+                        detections["detection_scores"].numpy())
+        compiled = {(name, training) for name in ("backbone", "fpn", "rpn_head", "box_head", "mask_head")
+                    for training in (True, False) if (id(getattr(model, name)), training) in model._compiled_layers}
+        assert len(compiled) == (10 if xla else 0), compiled
+    (losses, grads, scores), (xla_losses, xla_grads, xla_scores) = results[False], results[True]
+    for name in losses:
+        assert xla_losses[name] == pytest.approx(losses[name], rel=1e-3, abs=1e-4), name
+    for got, want in zip(xla_grads, grads):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * max(1.0, np.abs(want).max()))
+    np.testing.assert_allclose(xla_scores, scores, atol=1e-3)

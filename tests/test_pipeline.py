@@ -1,6 +1,7 @@
 """The tf.data input pipeline on converter output: shapes, padding, image_info, flips, RPN targets, order."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -175,6 +176,18 @@ def test_missing_files_name_the_pattern(tmp_path):
     pattern = os.path.join(str(tmp_path), "train-*.tfrecord")
     with pytest.raises(ValueError, match="train-"):
         InputPipeline(make_config(), training=True).dataset(pattern, 2)
+
+
+def test_a_matched_file_that_is_not_a_tfrecord_is_named(tmp_path, records):
+    train_pattern = records[0]
+    for path in tf.io.gfile.glob(train_pattern):
+        shutil.copy(path, tmp_path)
+    (tmp_path / "train_warnings.json").write_text('{"skipped_images": []}')
+    pattern = os.path.join(str(tmp_path), "train*")
+    with pytest.raises(ValueError, match=r"train_warnings\.json .* is not a TFRecord file"):
+        InputPipeline(make_config(), training=False).dataset(pattern, 2)
+    batch = next(iter(InputPipeline(make_config(), training=False).dataset(os.path.join(str(tmp_path), "train-*"), 2)))
+    assert batch["images"].shape[0] == 2
 
 
 def test_images_without_objects_decode_and_train_as_negatives(records):

@@ -115,6 +115,17 @@ def resize_and_pad(image, image_size):
     return padded, image_info, scale
 
 
+def check_tfrecord_file(path, file_pattern):
+    """Raises ValueError naming `path` when its first record is not a TFRecord (e.g. a JSON file that the
+    pattern also matched); reading stops there, so this costs one record per file."""
+    try:
+        for _ in tf.data.TFRecordDataset(path).take(1):
+            pass
+    except tf.errors.DataLossError:
+        raise ValueError(f"{path} (matched by {file_pattern!r}) is not a TFRecord file: narrow the pattern to "
+                         "the TFRecord shards") from None
+
+
 def pad_instances(tensor, size, value):
     """Pads (or truncates) the first dimension of `tensor` to `size` with `value`: [K, ...] -> [size, ...]."""
     tensor = tensor[:size]
@@ -161,6 +172,8 @@ class InputPipeline:
                 f"file pattern {file_pattern!r} matches {len(paths)} files; {num_shards} workers need at least "
                 f"one each (make TFRecords with dataset/create_coco_tf_record.py)"
             )
+        for path in paths[shard_index::num_shards]:
+            check_tfrecord_file(path, file_pattern)
         files = tf.data.Dataset.from_tensor_slices(paths[shard_index::num_shards])
         if self.training:
             files = files.shuffle(4096, seed=self.seed, reshuffle_each_iteration=True).repeat()

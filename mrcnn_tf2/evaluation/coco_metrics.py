@@ -58,8 +58,11 @@ def detections_to_coco(predictions, category_ids):
     return results
 
 
-def convert_detections(predictions, category_ids):
-    """`detections_to_coco` without the warning: returns (results, number of dropped detections)."""
+def convert_detections(predictions, category_ids, paste=paste_masks):
+    """`detections_to_coco` without the warning: returns (results, number of dropped detections).
+
+    `paste` is `ops.masks.paste_masks` or its fused twin `ops.fused.paste_masks` (same signature).
+    """
     required = ("detection_boxes", "detection_scores", "detection_classes", "num_detections", "image_info",
                 "source_ids")
     missing = [key for key in required if key not in predictions]
@@ -88,7 +91,8 @@ def convert_detections(predictions, category_ids):
         image_boxes = boxes[b, :count][keep]
         segmentations = None
         if masks is not None:
-            segmentations = mask_utils.encode(_paste_fortran(masks[b, :count][keep], image_boxes, height, width))
+            segmentations = mask_utils.encode(
+                _paste_fortran(paste, masks[b, :count][keep], image_boxes, height, width))
         ymin, xmin, ymax, xmax = np.split(image_boxes, 4, axis=1)
         # The generator clips to the resized image, which can map back a fraction of a pixel outside.
         ymin, ymax = np.clip(ymin, 0, height), np.clip(ymax, 0, height)
@@ -106,14 +110,14 @@ def convert_detections(predictions, category_ids):
     return results, dropped
 
 
-def _paste_fortran(masks, boxes, height, width):
+def _paste_fortran(paste, masks, boxes, height, width):
     """Thresholded masks pasted into the image as pycocotools wants them: [h, w, D] uint8, Fortran order.
 
     Pasting the transposed problem (x for y) gives [D, w, h] in C order, which is that very memory layout:
     no transposing copy of the D full-image masks. The unclipped boxes are the frames the masks were
     predicted in; paste_masks clips to the image.
     """
-    pasted = paste_masks(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold=MASK_THRESHOLD)
+    pasted = paste(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold=MASK_THRESHOLD)
     return pasted.transpose(2, 1, 0)
 
 

@@ -17,12 +17,11 @@ MASK_ROI_SIZE = 14
 def build_model(config, export=False):
     """A MaskRCNN for `config` (a mrcnn_tf2.config.Config), with freshly initialised weights.
 
-    The non-learned stages run the fused C++ ops as `runtime.custom_ops` says, except under `runtime.xla`
-    (a custom op cannot be XLA-compiled) and with `export=True`: an exported SavedModel must load without
-    the ops library. Raises `fused.CustomOpsUnavailable` when custom_ops is 'on' and the library is unusable.
+    The non-learned stages run the fused C++ ops as `runtime.custom_ops` says, except with `export=True`:
+    an exported SavedModel must load without the ops library. `runtime.xla` compiles the dense layers. Raises `fused.CustomOpsUnavailable` when custom_ops is 'on' and the library is unusable.
     """
     model, data = config.model, config.data
-    fused = not export and use_fused(config.runtime.custom_ops, xla=config.runtime.xla)
+    fused = not export and use_fused(config.runtime.custom_ops)
     anchors, rpn, roi = model.anchors, model.rpn, model.roi
     if model.mrcnn_resolution != 2 * MASK_ROI_SIZE:
         raise ValueError(f"mrcnn_resolution {model.mrcnn_resolution}: the mask head outputs {2 * MASK_ROI_SIZE}")
@@ -68,6 +67,7 @@ def build_model(config, export=False):
             anchors.min_level, anchors.max_level, anchors.num_scales, anchors.aspect_ratios,
             anchors.anchor_scale, data.image_size,
         ),
+        jit_dense=config.runtime.xla and not export,
         loss_weights={
             "rpn_box": model.loss.rpn_box_loss_weight,
             "fast_rcnn_box": model.loss.fast_rcnn_box_loss_weight,

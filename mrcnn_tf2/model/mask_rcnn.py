@@ -43,7 +43,7 @@ class MaskRCNN(TracksSublayers, keras.Model):
 
     def __init__(self, backbone, fpn, rpn_head, box_head, mask_head, proposal_generator, roi_sampler,
                  box_roi_aligner, mask_roi_aligner, mask_target_generator, detection_generator, anchors,
-                 loss_weights, l2_weight_decay, **kwargs):
+                 loss_weights, l2_weight_decay, jit_dense=False, **kwargs):
         super().__init__(**kwargs)
         self.backbone = backbone
         self.fpn = fpn
@@ -60,10 +60,27 @@ class MaskRCNN(TracksSublayers, keras.Model):
         self._anchors = {level: tf.constant(boxes, tf.float32) for level, boxes in anchors.items()}
         self.loss_weights = dict(loss_weights)
         self.l2_weight_decay = l2_weight_decay
+        self.jit_dense = jit_dense
+        # (layer, training) -> the layer's XLA-compiled call; kept out of Keras' attribute tracking.
+        object.__setattr__(self, "_compiled_layers", {})
+
+    def _dense(self, layer, inputs, training):
+        """layer(inputs, training=training); under jit_dense XLA-compiled once the layer is built.
+
+        Only the learned layers (backbone, FPN, heads) are compiled: the non-learned stages in between may
+        run fused custom ops, which XLA cannot compile. A layer's first call builds its variables outside
+        any compiled function.
+        """
+        if not (self.jit_dense and layer.built):
+            return layer(inputs, training=training)
+        key = (id(layer), training)
+        if key not in self._compiled_layers:
+            self._compiled_layers[key] = tf.function(lambda x: layer(x, training=training), jit_compile=True)
+        return self._compiled_layers[key](inputs)
 
     def _features(self, images, training):
         """[B, H, W, 3] -> FPN features {level: [B, H/2**level, W/2**level, C]}."""
-        return self.fpn(self.backbone(images, training=training), training=training)
+        return self._dense(self.fpn, self._dense(self.backbone, images, training), training)
 
     def call(self, inputs, training=False):
         """Training: head outputs and targets (see `forward_train`); inference: detections."""
@@ -79,7 +96,7 @@ class MaskRCNN(TracksSublayers, keras.Model):
         """
         image_hw = inputs["image_info"][:, :2]
         features = self._features(inputs["images"], training)
-        outputs = self.rpn_head(features, training=training)
+        outputs = self._dense(self.rpn_head, features, training)
         # Proposals and sampled RoIs are treated as constants: no gradient flows into box coordinates.
         proposals = self.proposal_generator(
             _stop_gradient(outputs["rpn_scores"]), _stop_gradient(outputs["rpn_boxes"]), self._anchors, image_hw,
@@ -87,7 +104,7 @@ class MaskRCNN(TracksSublayers, keras.Model):
         )
         sample = self.roi_sampler(tf.stop_gradient(proposals["rois"]), inputs["gt_boxes"], inputs["gt_classes"])
         roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
-        outputs.update(self.box_head(self.box_roi_aligner(roi_maps, sample["rois"]), training=training))
+        outputs.update(self._dense(self.box_head, self.box_roi_aligner(roi_maps, sample["rois"]), training))
         outputs.update(sample)
         if self.mask_head is not None:
             outputs.update(self._mask_branch_train(inputs, roi_maps, sample, training))
@@ -107,7 +124,7 @@ class MaskRCNN(TracksSublayers, keras.Model):
         fg_rois = sample["rois"][:, fg]
         fg_classes = sample["class_targets"][:, fg]
         fg_gt = sample["matched_gt_indices"][:, fg]
-        mask_logits = self.mask_head(self.mask_roi_aligner(roi_maps, fg_rois), training=training)
+        mask_logits = self._dense(self.mask_head, self.mask_roi_aligner(roi_maps, fg_rois), training)
         return {
             "mask_logits": select_class_masks(mask_logits, fg_classes),
             "mask_targets": self.mask_target_generator(
@@ -145,14 +162,14 @@ class MaskRCNN(TracksSublayers, keras.Model):
         image_info = inputs["image_info"]
         image_hw = image_info[:, :2]
         features = self._features(inputs["images"], training=False)
-        rpn = self.rpn_head(features, training=False)
+        rpn = self._dense(self.rpn_head, features, False)
         proposals = self.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"], self._anchors, image_hw, training=False)
         roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
-        heads = self.box_head(self.box_roi_aligner(roi_maps, proposals["rois"]), training=False)
+        heads = self._dense(self.box_head, self.box_roi_aligner(roi_maps, proposals["rois"]), False)
         detections = self.detection_generator(heads["class_logits"], heads["box_deltas"], proposals["rois"], image_hw)
         boxes = detections["detection_boxes"]  # pixels of the padded input
         if self.mask_head is not None:
-            mask_logits = self.mask_head(self.mask_roi_aligner(roi_maps, boxes), training=False)
+            mask_logits = self._dense(self.mask_head, self.mask_roi_aligner(roi_maps, boxes), False)
             class_logits = select_class_masks(mask_logits, detections["detection_classes"])
             detections["detection_masks"] = tf.sigmoid(tf.cast(class_logits, tf.float32))
         detections["detection_boxes"] = boxes * image_info[:, 2, None, None]

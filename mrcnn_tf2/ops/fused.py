@@ -4,11 +4,11 @@ Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2
 same result (to float rounding); the argument checks are the twin's own. The C++ sources are in ``ops/``,
 built by ``ops/build.sh`` (which ``scripts/setup.sh`` runs).
 
-``use_fused(mode, xla)`` is the one place that decides which implementation runs: 'off' -> twins;
+``use_fused(mode)`` is the one place that decides which implementation runs: 'off' -> twins;
 'auto' -> fused when the library loads, else one warning and twins; 'on' -> fused, or
-``CustomOpsUnavailable`` naming the library and the reason. Under XLA the twins always run: a custom
-op cannot be compiled into an XLA cluster. Exported SavedModels must use the twins too, so that they
-load without the library (the factory's ``export`` argument).
+``CustomOpsUnavailable`` naming the library and the reason. A custom op cannot be compiled into an XLA
+cluster: under --xla the model compiles only its dense layers and these ops run between them. Exported
+SavedModels use the twins, so that they load without the library (the factory's ``export`` argument).
 
 This module must not read the config; the factory passes the decision to the stage objects.
 """
@@ -78,8 +78,8 @@ def load_library():
         return _library
 
 
-def use_fused(mode, xla=False):
-    """Whether to run the fused ops, for ``--custom_ops`` ``mode`` ('auto', 'on' or 'off') and ``--xla``.
+def use_fused(mode):
+    """Whether to run the fused ops, for ``--custom_ops`` ``mode`` ('auto', 'on' or 'off').
 
     Raises:
       ValueError: unknown mode.
@@ -88,7 +88,7 @@ def use_fused(mode, xla=False):
     global _warned
     if mode not in MODES:
         raise ValueError(f"custom ops mode must be one of {MODES}, got {mode!r}.")
-    if mode == "off" or xla:
+    if mode == "off":
         return False
     if mode == "on":
         load_library()
@@ -244,3 +244,8 @@ def paste_masks(masks, boxes, image_hw, threshold=None):
         start += rows * cols
     return out
 
+
+def paste_masks_for(mode):
+    """The mask paster that evaluation and inference use for ``--custom_ops`` ``mode``: this module's
+    ``paste_masks`` when ``use_fused(mode)`` (it runs in NumPy land, never under XLA), else the twin."""
+    return paste_masks if use_fused(mode) else mask_ops.paste_masks

@@ -98,26 +98,18 @@ class Trainer:
 
         Each batch's gradients (of loss / accumulate_steps) are summed, averaged over the Horovod ranks and
         applied once: the update equals one on a batch accumulate_steps x ranks times larger. The batches
-        are unrolled in one function, so the sum is of tensors and needs no accumulator variables. With
-        --xla the gradients are computed in a compiled function and the allreduce and the update run
-        outside it (Horovod's ops cannot be compiled).
+        are unrolled in one function, so the sum is of tensors and needs no accumulator variables. (With
+        --xla the model compiles its dense layers itself; see MaskRCNN's jit_dense.)
         """
         model, optimizer, world = self.model, self.optimizer, self.world
         count = self.config.train.accumulate_steps
 
-        def accumulated_gradients(batches):
+        def update(batches):
             losses, gradients = model.compute_gradients(batches[0], 1.0 / count)
             for batch in batches[1:]:
                 batch_losses, batch_gradients = model.compute_gradients(batch, 1.0 / count)
                 losses = {name: value + batch_losses[name] for name, value in losses.items()}
                 gradients = [total + gradient for total, gradient in zip(gradients, batch_gradients)]
-            return losses, gradients
-
-        if self.config.runtime.xla and not self.config.runtime.eagerly:
-            accumulated_gradients = tf.function(accumulated_gradients, jit_compile=True)
-
-        def update(batches):
-            losses, gradients = accumulated_gradients(batches)
             gradients = world.average_gradients(gradients)
             optimizer.apply_gradients(zip(gradients, model.trainable_variables))
             self.step.assign_add(1)
