@@ -1,9 +1,16 @@
-"""The README's main job on the embedded default data: generate, convert, train, then evaluate COCO AP.
+"""The README's main job on the embedded default data: generate, convert, train, evaluate, infer, measure.
 
-Each stage is the same command a user would type; the script runs them in order, shows which one is
-running, and stops at the first that fails, with its exit status. Generated files go to ./demo/.
+    python scripts/demo.py [--quick] [--output_dir DIR]
+
+Each stage is the command a user would type; the script runs them in order, shows which one is running
+(training prints its progress line), stops at the first that fails with its exit status, and ends with a
+summary: COCO bbox and mask AP on the generated validation split, the training run's own throughput, the
+inference throughput of `main.py infer --benchmark`, and where the pictures are. Files go to DIR (default
+./demo); the summary is also written there as summary.json. --quick is the test suite's shorter run (fewer
+images and steps, a lower AP).
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,67 +18,121 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO = os.path.join(ROOT, "demo")
-SHAPES = os.path.join(DEMO, "shapes")
-RECORDS = os.path.join(DEMO, "tfrecords")
-MODEL = os.path.join(DEMO, "model")
 
-NUM_TRAIN, NUM_VAL, SEED = 400, 50, 0
-# The CPU-sized preset: small images, ResNet-18, and second-stage budgets sized to a few objects per image
-# (64 RoIs per image, at most 16 of them foreground for the mask head), so that a step takes seconds.
-# Learning rates are per image of the batch (NVIDIA's convention): 2.5e-3 x 4 images = 0.01.
-PRESET = [
-    "--backbone", "resnet18", "--image_size", "256", "256", "--train_batch_size", "4", "--seed", str(SEED),
-    "--epochs", "2", "--init_learning_rate", "2.5e-4", "--learning_rate_values", "2.5e-3", "2.5e-4",
-    "--learning_rate_boundaries", "0.2", "1.5", "--log_every", "10", "--log_warmup_steps", "5",
-    "--checkpoint_every", "50",
+# The CPU-sized preset. Scenes of 128x128 pixels (objects of 8 to 64 px) trained at that size with
+# ResNet-18 from scratch: batch norm trained (no pretrained statistics to keep), no frozen blocks, FPN and
+# heads narrowed to 128 channels, anchors of 16 px on P2 for the small objects, and second-stage budgets
+# sized to a few objects per image. Learning rates are per image of the batch (NVIDIA's convention).
+MODEL_FLAGS = [
+    "--backbone", "resnet18", "--image_size", "128", "128", "--finetune_bn",
+    "--config_override", "model.freeze_blocks=[]",
+    "--config_override", "model.fpn_num_filters=128",
+    "--config_override", "model.mrcnn_head_num_filters=128",
+    "--config_override", "model.fast_rcnn_mlp_head_dim=512",
+    "--config_override", "model.anchors.anchor_scale=4.0",
     "--config_override", "model.roi.batch_size_per_im=64",
-    "--config_override", "model.rpn.train_rpn_pre_nms_topn=1000",
-    "--config_override", "model.rpn.train_rpn_post_nms_topn=300",
+    "--config_override", "model.rpn.train_rpn_pre_nms_topn=500",
+    "--config_override", "model.rpn.train_rpn_post_nms_topn=200",
+    "--config_override", "model.rpn.test_rpn_pre_nms_topn=500",
+    "--config_override", "model.rpn.test_rpn_post_nms_topn=200",
     "--config_override", "data.max_num_instances=32",
 ]
+# Per preset: generated images and the schedule (epochs over the training images at batch 8).
+PRESETS = {
+    "full": dict(num_train=1000, num_val=50, epochs=4, boundaries=("0.2", "3.3")),
+    "quick": dict(num_train=160, num_val=20, epochs=4, boundaries=("0.2", "3.3")),
+}
+IMAGE_SIDE, BATCH_SIZE, SEED = 128, 8, 0
+# Validation images drawn with their detections, and the steps of the inference benchmark.
+PICTURES, BENCHMARK_STEPS = 4, 10
 
 
-def stages():
-    """(title, argv) of each stage; argv after the Python interpreter."""
-    val_json = os.path.join(SHAPES, "annotations", "instances_val.json")
+def stages(preset, out):
+    """(title, argv after the Python interpreter) of each stage."""
+    shapes, records, model = (os.path.join(out, name) for name in ("shapes", "tfrecords", "model"))
+    val_json = os.path.join(shapes, "annotations", "instances_val.json")
     yield "generate the synthetic shapes dataset", [
-        "dataset/make_shapes_dataset.py", "--output_dir", SHAPES, "--num_train", str(NUM_TRAIN),
-        "--num_val", str(NUM_VAL), "--seed", str(SEED),
+        "dataset/make_shapes_dataset.py", "--output_dir", shapes, "--num_train", str(preset["num_train"]),
+        "--num_val", str(preset["num_val"]), "--seed", str(SEED),
+        "--min_size", str(IMAGE_SIDE), "--max_size", str(IMAGE_SIDE),
     ]
     for split in ("train", "val"):
         yield f"convert the {split} split to TFRecords", [
-            "dataset/create_coco_tf_record.py", "--image_dir", os.path.join(SHAPES, split),
-            "--annotations_file", os.path.join(SHAPES, "annotations", f"instances_{split}.json"),
-            "--output_dir", RECORDS, "--num_shards", "4",
+            "dataset/create_coco_tf_record.py", "--image_dir", os.path.join(shapes, split),
+            "--annotations_file", os.path.join(shapes, "annotations", f"instances_{split}.json"),
+            "--output_dir", records, "--num_shards", "4",
         ]
-    yield "train Mask R-CNN from scratch", lambda: [
-        "main.py", "train", "--data_dir", RECORDS, "--model_dir", MODEL, "--eval_file", val_json,
-        "--num_classes", str(num_classes(val_json)), *PRESET,
+    common = ["--data_dir", records, "--model_dir", model, "--num_classes", "6", *MODEL_FLAGS]
+    yield "train Mask R-CNN from scratch", [
+        "main.py", "train", *common, "--train_batch_size", str(BATCH_SIZE), "--seed", str(SEED),
+        "--epochs", str(preset["epochs"]), "--init_learning_rate", "1e-4",
+        "--learning_rate_values", "1.25e-3", "1.25e-4", "--learning_rate_boundaries", *preset["boundaries"],
+        "--log_every", "25", "--log_warmup_steps", "5", "--checkpoint_every", "100",
     ]
-    yield "evaluate COCO AP on the validation split", lambda: [
-        "main.py", "eval", "--data_dir", RECORDS, "--model_dir", MODEL, "--eval_file", val_json,
-        "--num_classes", str(num_classes(val_json)), *PRESET,
+    yield "evaluate COCO AP on the validation split", [
+        "main.py", "eval", *common, "--eval_file", val_json, "--eval_batch_size", str(BATCH_SIZE),
+    ]
+    yield f"draw the detections on {PICTURES} validation images", [
+        "main.py", "infer", *common, "--eval_file", val_json, "--eval_samples", str(PICTURES), "--visualize",
+        "--output_dir", os.path.join(out, "inference"),
+    ]
+    yield "measure inference throughput", [
+        "main.py", "infer", *common, "--benchmark", "--use_synthetic_data", "--eval_batch_size", str(BATCH_SIZE),
+        "--benchmark_steps", str(BENCHMARK_STEPS), "--log_warmup_steps", "2",
     ]
 
 
-def num_classes(annotations_file: str) -> str:
-    """Classes the model predicts: the dataset's largest category id plus background."""
-    with open(annotations_file) as f:
-        return str(max(c["id"] for c in json.load(f)["categories"]) + 1)
+def run_stage(argv):
+    """Runs `python argv`, echoing its output; returns (exit status, output lines)."""
+    process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1)
+    lines = []
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    return process.wait(), lines
 
 
-def main() -> int:
+def summarise(out, inference_lines):
+    """The summary dict: APs from eval_results.json, the training run's img/s from its log (steps after
+    the warm-up, checkpoints included), and the inference benchmark's JSON line."""
+    model = os.path.join(out, "model")
+    with open(os.path.join(model, "eval_results.json")) as f:
+        metrics = json.load(f)["metrics"]
+    with open(os.path.join(model, "log.jsonl")) as f:
+        rates = [r["img_per_s"] for r in map(json.loads, f) if r.get("event") == "metrics" and "img_per_s" in r]
+    (benchmark,) = [json.loads(line) for line in inference_lines if line.startswith('{"benchmark"')]
+    return {"bbox AP": metrics["bbox/AP"], "mask AP": metrics["segm/AP"], "train throughput": rates[-1],
+            "inference throughput": benchmark["throughput_img_per_s"],
+            "pictures": os.path.join(out, "inference")}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the test suite's shorter run")
+    parser.add_argument("--output_dir", default=os.path.join(ROOT, "demo"), help="where every file goes")
+    args = parser.parse_args(argv)
+    out = os.path.abspath(args.output_dir)
     started = time.time()
-    plan = list(stages())
-    for index, (title, argv) in enumerate(plan, 1):
-        argv = argv() if callable(argv) else argv
-        print(f"\n[demo {index}/{len(plan)}] {title}\n$ python {' '.join(argv)}", flush=True)
-        status = subprocess.call([sys.executable, *argv], cwd=ROOT)
+    plan = list(stages(PRESETS["quick" if args.quick else "full"], out))
+    lines = []
+    for index, (title, command) in enumerate(plan, 1):
+        print(f"\n[demo {index}/{len(plan)}] {title} ({time.time() - started:.0f} s so far)\n"
+              f"$ python {' '.join(command)}", flush=True)
+        status, lines = run_stage(command)
         if status:
             print(f"\n[demo] stopped at stage {index}/{len(plan)} ({title}): exit status {status}", flush=True)
             return status
-    print(f"\n[demo] done in {time.time() - started:.0f} s", flush=True)
+    summary = summarise(out, lines)
+    summary["total_s"] = round(time.time() - started, 1)
+    with open(os.path.join(out, "summary.json.tmp"), "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(os.path.join(out, "summary.json.tmp"), os.path.join(out, "summary.json"))
+    print(f"\n[demo] summary ({summary['total_s']:.0f} s)\n"
+          f"bbox AP: {summary['bbox AP']:.3f}\nmask AP: {summary['mask AP']:.3f}\n"
+          f"train throughput: {summary['train throughput']:.2f} img/s\n"
+          f"inference throughput: {summary['inference throughput']:.2f} img/s\n"
+          f"pictures: {summary['pictures']}", flush=True)
     return 0
 
 
