@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     except CustomOpsUnavailable as err:  # --custom_ops on, and the library cannot be used
         print(f"main.py: error: --custom_ops on: {err}", file=sys.stderr)
         return 2
+    except ConfigError as err:  # found once the run reads its inputs (e.g. the backbone checkpoint's metadata)
+        print(f"main.py: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ _FLAGS = {
     ),
     "xla": (
         "runtime.xla",
-        dict(action="store_true", help="train: jit-compile the gradient computation (custom ops: their twins)"),
+        dict(action="store_true", help="XLA-compile the learned layers (the custom ops run between them)"),
     ),
     "amp": (
         "runtime.amp",

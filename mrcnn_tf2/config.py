@@ -251,7 +251,7 @@ class RuntimeConfig:
     model_dir: str = "/results"
     # Mixed precision: float16 on GPU; bfloat16 on a CPU with bfloat16 instructions, else float32 (warned).
     amp: bool = False
-    # Train: jit-compile the gradient computation; the custom ops give way to their pure-TF twins.
+    # XLA-compile the learned layers (backbone, FPN, heads); the non-learned stages and custom ops run between.
     xla: bool = False
     # Run the step eagerly (debugging).
     eagerly: bool = False

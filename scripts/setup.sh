@@ -23,5 +23,8 @@ fi
 # Fused C++ ops (ops/build/libmrcnn_ops.so); ops/build.sh keeps its own stamp of sources + TF version.
 bash ops/build.sh "$VENV/bin/python"
 # Horovod from its sdist with the project's patch (horovodrun --gloo; MPI too when mpicxx is present).
-bash scripts/build_horovod.sh "$VENV/bin/python"
+# SETUP_HOROVOD=0 skips it: single-process work (the demo) does not need it and saves its ~3 min build.
+if [ "${SETUP_HOROVOD:-1}" != 0 ]; then
+  bash scripts/build_horovod.sh "$VENV/bin/python"
+fi
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"

@@ -150,6 +150,24 @@ def test_a_dead_rank_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, shapes
 
 
 @pytest.mark.slow
+def test_an_early_stop_under_horovodrun_ends_every_rank_with_status_0(tmp_path, shapes_records):
+    # Targets any model meets: rank 0's first evaluation (end of epoch 1, step 3) stops the job.
+    job = train_under_horovodrun(tmp_path, shapes_records["data_dir"], "--eval_file", shapes_records["val_json"],
+                                 "--eval_samples", "2", "--eval_batch_size", "2", "--min_bbox_map", "0",
+                                 "--min_mask_map", "0")
+    try:
+        output, _ = job.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, 9)
+        pytest.fail("the job did not end after rank 0 reached its target")
+    assert job.returncode == 0, output[-3000:]
+    assert "target reached" in output
+    log = read_log(tmp_path / "log.jsonl")
+    assert [r["step"] for r in log if r["event"] == "done"] == [3]
+    assert [r["step"] for r in log if r["event"] == "metrics"] == [1, 2, 3]
+
+
+@pytest.mark.slow
 def test_benchmark_under_horovodrun_reports_total_and_per_worker_throughput(tmp_path, shapes_records):
     result = subprocess.run(
         horovodrun(*main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path),

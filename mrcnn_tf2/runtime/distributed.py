@@ -64,6 +64,12 @@ class World:
         self.hvd.broadcast_variables([v.value if isinstance(v, keras.Variable) else v for v in variables],
                                      root_rank=0)
 
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank, for small picklable objects."""
+        if self.hvd is None:
+            return obj
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
     def allgather_object(self, obj):
         """[obj of rank 0, obj of rank 1, ...] on every rank, for small picklable objects."""
         if self.hvd is None:

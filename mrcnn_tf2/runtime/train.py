@@ -187,9 +187,12 @@ class Trainer:
                 else self.total_steps)
         update = self._update_fn()
         # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP.
-        # Under Horovod rank 0 evaluates alone; the others wait for it in the next update's allreduce.
+        # Under Horovod rank 0 evaluates alone; the others wait for it in the next update's allreduce, or,
+        # where the run can stop early, in the broadcast of rank 0's decision at each epoch end.
         evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch)
                      if self.world.is_chief and not runtime.benchmark else None)
+        may_stop = (self.world.size > 1 and not runtime.benchmark and config.eval.eval_file is not None
+                    and (config.eval.min_bbox_map is not None or config.eval.min_mask_map is not None))
         batches = iter(self._dataset(start))
         step_times, window = [], []
         timer_start = None
@@ -212,13 +215,16 @@ class Trainer:
             if (self.world.is_chief and not runtime.benchmark
                     and (step % runtime.checkpoint_every == 0 or epoch_end or step == last)):
                 logger.event("checkpoint", step=step, path=self.keeper.save(step))
+            stop = False
             if evaluator is not None:
                 paused = time.perf_counter()
                 stop = evaluator.evaluate_if_due(self.model, step, last, logger)
                 if timer_start is not None:
                     timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
-                if stop:
-                    break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
+            if may_stop and (epoch_end or step == last):  # evaluations fall on epoch ends
+                stop = self.world.broadcast_object(stop)
+            if stop:
+                break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
             self._report_benchmark(logger, step_times)
         logger.event("done", step=step)
