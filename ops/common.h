@@ -5,10 +5,25 @@
 #include <cstdint>
 #include <functional>
 
+#include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 
 namespace mrcnn {
+
+// The TensorFlow names every kernel file uses, declared once for the project's namespace.
+using tensorflow::DataType;
+using tensorflow::OpInputList;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::OpOutputList;
+using tensorflow::Status;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+namespace shape_inference = tensorflow::shape_inference;
 
 // Runs work(begin, end) over [0, total) on TF's intra-op CPU thread pool, so that every core works.
 // cost_per_unit is a rough count of cycles per unit: Shard uses it to avoid splitting tiny jobs.

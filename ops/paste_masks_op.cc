@@ -14,22 +14,9 @@
 #include <vector>
 
 #include "common.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
 
 namespace mrcnn {
 namespace {
-
-using tensorflow::DataType;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Status;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
-namespace shape_inference = tensorflow::shape_inference;
 
 // masks.py _MIN_EXTENT.
 constexpr double kMinExtent = 1e-6;

@@ -15,22 +15,9 @@
 #include <vector>
 
 #include "common.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
 
 namespace mrcnn {
 namespace {
-
-using tensorflow::OpInputList;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Status;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
-namespace shape_inference = tensorflow::shape_inference;
 
 // box_ops.BBOX_XFORM_CLIP = log(1000 / 16), as the float32 constant TF uses.
 const float kBoxXformClip = static_cast<float>(std::log(1000.0 / 16.0));

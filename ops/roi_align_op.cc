@@ -12,23 +12,9 @@
 #include <vector>
 
 #include "common.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
 
 namespace mrcnn {
 namespace {
-
-using tensorflow::OpInputList;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::OpOutputList;
-using tensorflow::Status;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
-namespace shape_inference = tensorflow::shape_inference;
 
 REGISTER_OP("MrcnnRoiAlign")
     .Input("features: num_levels * float")  // each [B, H_l, W_l, C]

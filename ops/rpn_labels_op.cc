@@ -15,22 +15,9 @@
 #include <vector>
 
 #include "common.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
 
 namespace mrcnn {
 namespace {
-
-using tensorflow::OpInputList;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Status;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
-namespace shape_inference = tensorflow::shape_inference;
 
 // anchors.RPN_POSITIVE / RPN_NEGATIVE / RPN_IGNORE.
 constexpr int32_t kPositive = 1, kNegative = 0, kIgnore = -1;

@@ -19,17 +19,12 @@ from mrcnn_tf2.runtime.distributed import init_world  # noqa: E402
 from mrcnn_tf2.runtime.logger import RunLogger  # noqa: E402
 from mrcnn_tf2.runtime.train import Trainer  # noqa: E402
 from tests.test_model import small_config, synthetic_batch  # noqa: E402
+from tests.test_train import equally_weighted_config  # noqa: E402
 
 
 def sync_config(batch_size, seed, model_dir):
-    """The accumulation test's Faster R-CNN with every proposal sampled: its loss is a mean of equally
-    weighted per-image terms when each image holds one object, so 2 ranks x 1 image must equal 1 x 2."""
-    config = small_config()
-    config.model.include_mask = False
-    config.model.roi.batch_size_per_im = 128
-    config.model.roi.fg_fraction = 1.0
-    config.model.rpn.train_rpn_post_nms_topn = 20
-    config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+    """test_train's equally weighted Faster R-CNN, `batch_size` images per rank."""
+    config = equally_weighted_config()
     config.train.train_batch_size = batch_size
     config.train.seed = seed
     config.train.steps_per_epoch = 10

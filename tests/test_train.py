@@ -75,20 +75,26 @@ def trainer_for(config):
     return train_runtime.Trainer(config)
 
 
+def equally_weighted_config():
+    """The small model as a Faster R-CNN with every proposal sampled: when each image holds one object, its
+    loss is a mean of equally weighted per-image terms, so one update on a batch of N images must equal N
+    accumulated (or N Horovod ranks') updates on one image each."""
+    config = small_config()
+    config.model.include_mask = False
+    config.model.roi.batch_size_per_im = 128
+    config.model.roi.fg_fraction = 1.0
+    config.model.rpn.train_rpn_post_nms_topn = 20
+    config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+    return config
+
+
 def test_accumulated_update_equals_one_update_on_the_larger_batch():
     # One object in each image, so that both images sample as many RoIs (see below).
     batch = synthetic_batch(small_config(), objects_per_image=(1, 1))
     halves = [tf.nest.map_structure(lambda t, i=i: t[i:i + 1], batch) for i in range(2)]
     trainers = []
     for batch_size, accumulate in ((2, 1), (1, 2)):
-        config = small_config()
-        # Faster R-CNN with every proposal sampled: the losses are then means of equally weighted
-        # per-image terms, and so the large batch and the accumulated halves must agree.
-        config.model.include_mask = False
-        config.model.roi.batch_size_per_im = 128
-        config.model.roi.fg_fraction = 1.0
-        config.model.rpn.train_rpn_post_nms_topn = 20
-        config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+        config = equally_weighted_config()
         config.train.train_batch_size, config.train.accumulate_steps = batch_size, accumulate
         trainer = trainer_for(config)
         trainer._build(batch)
