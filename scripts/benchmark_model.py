@@ -37,15 +37,17 @@ ALLOCATORS = {
 MODES = {"train": ("train", "--train_batch_size"), "predict": ("infer", "--eval_batch_size")}
 
 
-def run_case(data_dir, mode, batch_size, precision, allocator, args):
+def run_case(pattern, mode, batch_size, precision, allocator, args):
     """One benchmark process; returns its JSON record with peak_rss_gib added (None on failure)."""
     env = dict(os.environ, **ALLOCATORS[allocator])
     if "LD_PRELOAD" in env and not os.path.exists(env["LD_PRELOAD"]):
         raise SystemExit(f"{allocator}: {env['LD_PRELOAD']} is missing (apt-get install the Debian package)")
     main_mode, batch_flag = MODES[mode]
     with tempfile.TemporaryDirectory() as model_dir:
+        # The generated records serve as the training and the validation files (predict reads the latter).
         argv = [sys.executable, "main.py", main_mode, "--benchmark", "--use_synthetic_data",
-                "--data_dir", data_dir, "--model_dir", model_dir, "--backbone", args.backbone,
+                "--config_override", f"data.training_file_pattern={pattern}",
+                "--config_override", f"data.validation_file_pattern={pattern}", "--model_dir", model_dir, "--backbone", args.backbone,
                 "--image_size", *map(str, args.image_size), "--num_classes", "6", batch_flag, str(batch_size),
                 "--log_warmup_steps", str(args.warmup), "--benchmark_steps", str(args.steps),
                 "--custom_ops", args.custom_ops, "--seed", "0"]
@@ -77,12 +79,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
-        data_dir = os.path.dirname(generated_records(directory, 8))
+        pattern = generated_records(directory, 8)
         print(f"{'step':8s} {'batch':>5s} {'precision':>9s} {'allocator':>9s} {'img/s':>7s} {'p50 s':>7s} "
               f"{'peak GiB':>8s}", flush=True)
         for mode, batch_size, precision, allocator in itertools.product(
                 args.modes, args.batch_sizes, args.precisions, args.allocators):
-            record = run_case(data_dir, mode, batch_size, precision, allocator, args)
+            record = run_case(pattern, mode, batch_size, precision, allocator, args)
             if record is None:
                 continue
             rows.append(record)
