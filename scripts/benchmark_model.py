@@ -47,10 +47,16 @@ def run_case(pattern, mode, batch_size, precision, allocator, args):
         # The generated records serve as the training and the validation files (predict reads the latter).
         argv = [sys.executable, "main.py", main_mode, "--benchmark", "--use_synthetic_data",
                 "--config_override", f"data.training_file_pattern={pattern}",
-                "--config_override", f"data.validation_file_pattern={pattern}", "--model_dir", model_dir, "--backbone", args.backbone,
+                "--config_override", f"data.validation_file_pattern={pattern}", "--model_dir", model_dir,
+                "--backbone", args.backbone,
                 "--image_size", *map(str, args.image_size), "--num_classes", "6", batch_flag, str(batch_size),
                 "--log_warmup_steps", str(args.warmup), "--benchmark_steps", str(args.steps),
                 "--custom_ops", args.custom_ops, "--seed", "0"]
+        if mode == "train":
+            # Random weights at NVIDIA's learning rate diverge within a few steps (a non-finite loss stops the
+            # run); a step's cost does not depend on the rate.
+            argv += ["--init_learning_rate", "1e-5", "--learning_rate_values", "1e-5",
+                     "--learning_rate_boundaries", "0"]
         if precision == "bf16":
             argv.append("--amp")
         process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
