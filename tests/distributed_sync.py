@@ -46,7 +46,7 @@ def main(out_dir, steps):
     batch = tf.nest.map_structure(lambda t: t[world.rank:world.rank + 1], combined_batch())
     trainer._restore_or_initialise(batch, RunLogger(os.devnull, verbose=False))
     initial = [v.numpy() for v in trainer.model.trainable_variables]
-    update = trainer._update_fn()
+    update = trainer.update_function()
     for _ in range(steps):
         update([batch])
     final = [v.numpy() for v in trainer.model.trainable_variables]

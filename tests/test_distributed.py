@@ -75,10 +75,10 @@ def test_two_ranks_stay_identical_and_equal_one_process_on_the_combined_batch(tm
     # One process with both images per step, from the same start, makes the same updates.
     trainer = Trainer(sync_config(2, seed=1, model_dir=str(tmp_path / "single")))
     batch = combined_batch()
-    trainer._build(batch)
+    trainer.build(batch)
     for i, variable in enumerate(trainer.model.trainable_variables):
         variable.assign(ranks[0][f"initial_{i}"])
-    update = trainer._update_fn()
+    update = trainer.update_function()
     for _ in range(steps):
         update([batch])
     moved = 0

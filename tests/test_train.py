@@ -97,14 +97,14 @@ def test_accumulated_update_equals_one_update_on_the_larger_batch():
         config = equally_weighted_config()
         config.train.train_batch_size, config.train.accumulate_steps = batch_size, accumulate
         trainer = trainer_for(config)
-        trainer._build(batch)
+        trainer.build(batch)
         trainers.append(trainer)
     large, accumulated = trainers
     for source, target in zip(large.model.weights, accumulated.model.weights):
         target.assign(source)
     initial = [v.numpy() for v in large.model.trainable_variables]
-    losses_large = large._update_fn()([batch])
-    losses_accumulated = accumulated._update_fn()(halves)
+    losses_large = large.update_function()([batch])
+    losses_accumulated = accumulated.update_function()(halves)
     assert float(losses_accumulated["loss_total"]) == pytest.approx(float(losses_large["loss_total"]), rel=1e-4)
     for a, b in zip(large.model.trainable_variables, accumulated.model.trainable_variables):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-7, err_msg=a.path)

@@ -88,12 +88,12 @@ class Trainer:
 
     # -- the update ---------------------------------------------------------------------------------------
 
-    def _build(self, batch):
+    def build(self, batch):
         """Creates every variable (model, optimizer slots) so that checkpoints restore eagerly."""
         self.model(batch, training=True)
         self.optimizer.build(self.model.trainable_variables)
 
-    def _update_fn(self):
+    def update_function(self):
         """tf.function(batches) -> losses averaged over the accumulate_steps batches, after one update.
 
         Each batch's gradients (of loss / accumulate_steps) are summed, averaged over the Horovod ranks and
@@ -121,7 +121,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
 
-    def _dataset(self, start_step):
+    def dataset(self, start_step):
         config = copy.deepcopy(self.config)
         if config.train.seed is not None:
             # A resumed run reads a new order, still fixed by --seed (see the module docstring).
@@ -132,7 +132,7 @@ class Trainer:
     def _restore_or_initialise(self, batch, logger):
         """Builds the variables, then rank 0 restores or initialises them and every rank takes rank 0's
         (model, optimizer, step); returns the step."""
-        self._build(batch)
+        self.build(batch)
         # Only rank 0 reads model_dir and the backbone checkpoint: other machines need not see them.
         if self.world.is_chief:
             self._restore_or_load_backbone(logger)
@@ -175,7 +175,7 @@ class Trainer:
         config, runtime = self.config, self.config.runtime
         accumulate = config.train.accumulate_steps
         # Where to resume is known only after restoring, which needs built variables: peek one batch first.
-        first = next(iter(self._dataset(0)))
+        first = next(iter(self.dataset(0)))
         start = self._restore_or_initialise(first, logger)
         logger.event("start", echo=False, config=config.to_dict(), policy=self.policy,
                      steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, start_step=start,
@@ -185,7 +185,7 @@ class Trainer:
             return 0
         last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
                 else self.total_steps)
-        update = self._update_fn()
+        update = self.update_function()
         # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP.
         # Under Horovod rank 0 evaluates alone; the others wait for it in the next update's allreduce, or,
         # where the run can stop early, in the broadcast of rank 0's decision at each epoch end.
@@ -193,7 +193,7 @@ class Trainer:
                      if self.world.is_chief and not runtime.benchmark else None)
         may_stop = (self.world.size > 1 and not runtime.benchmark and config.eval.eval_file is not None
                     and (config.eval.min_bbox_map is not None or config.eval.min_mask_map is not None))
-        batches = iter(self._dataset(start))
+        batches = iter(self.dataset(start))
         step_times, window = [], []
         timer_start = None
         for step in range(start + 1, last + 1):

@@ -1,0 +1,138 @@
+"""Where the time of a train step or a predict step goes, by stage of the model and by TensorFlow op type.
+
+    .venv/bin/python scripts/profile_step.py [--steps 3] [--top 15] -- train --backbone resnet50 \
+        --image_size 832 1344 --train_batch_size 2 --data_dir D --use_synthetic_data
+    .venv/bin/python scripts/profile_step.py -- infer --backbone resnet50 --image_size 832 1344 \
+        --eval_batch_size 2 --data_dir D --use_synthetic_data
+
+After `--` come `main.py` flags (mode `train` or `infer`); they describe the model and the data exactly as
+for a run. The step is the one `main.py ... --benchmark` times (the update of `main.py train`, the
+`predict_step` function of `main.py infer`), on the first batch of the records, repeated. Two warm-up
+steps run untraced; then --steps steps run under the TensorFlow profiler and the script prints:
+
+- the wall time per step;
+- op time per step by stage: the model part an op belongs to (backbone, fpn, rpn_head, box_head,
+  mask_head: the op name's Keras scope), or, outside the layers, the ops' own kind (RoIAlign, proposals,
+  sampling, losses and the rest, by op type); forward and backward together;
+- op time per step by op type (Conv2D, its backprops, the fused ops' kernels, ...).
+
+Op times are summed over both threads of the CPU pool, so their total can exceed the wall time.
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
+
+from mrcnn_tf2.arguments import check_inputs, parse  # noqa: E402
+
+# The model's learned parts by the Keras scope of their ops (the layer's name, which Keras derives from its
+# class and suffixes with _N in each trace).
+LAYERS = {"res_net": "backbone", "fpn": "fpn", "rpn_head": "rpn_head", "box_head": "box_head",
+          "mask_head": "mask_head"}
+WARMUP_STEPS = 2
+OP_EVENT = re.compile(r"^(?P<name>[^:]+):(?P<type>\w+)$")
+
+
+def train_step(config):
+    """() -> runs one update of `main.py train` on the first batch of the training records."""
+    from mrcnn_tf2.runtime.train import Trainer
+
+    trainer = Trainer(config)
+    batch = next(iter(trainer.dataset(0)))
+    trainer.build(batch)
+    update = trainer.update_function()
+    return lambda: {name: value.numpy() for name, value in update([batch]).items()}
+
+
+def predict_step(config):
+    """() -> runs `main.py infer`'s predict function on the first batch of the validation records."""
+    from mrcnn_tf2.data.pipeline import InputPipeline
+    from mrcnn_tf2.runtime.evaluate import load_model, predict_function
+
+    model = load_model(config, require_checkpoint=False).model
+    batch = next(iter(InputPipeline(config, training=False).dataset(
+        config.data.resolved_validation_pattern(), config.eval.eval_batch_size)))
+    predict = predict_function(model)
+    return lambda: {name: value.numpy() for name, value in predict(batch).items()}
+
+
+def op_events(logdir):
+    """Yields (op name, op type, seconds) of every TensorFlow op kernel the profiler recorded on the host."""
+    (path,) = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    for plane in space.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            if line.name == "python":  # the Python thread's events are calls, not op kernels
+                continue
+            for event in line.events:
+                # An op kernel's event is named "name:Type"; the executor's own ("ExecutorState::Process",
+                # "ThreadpoolListener::Record") have a double colon.
+                match = OP_EVENT.match(plane.event_metadata[event.metadata_id].name)
+                if match:
+                    yield match["name"], match["type"], event.duration_ps * 1e-12
+
+
+def stage_of(name, kind):
+    """The report row of an op: the learned layer whose scope holds it, else its op type's kind."""
+    for part in name.split("/"):
+        layer = LAYERS.get(re.sub(r"_\d+$", "", part))
+        if layer:
+            return layer
+    return f"other: {kind}"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
+    parser.add_argument("--top", type=int, default=15, help="rows of each table")
+    args = parser.parse_args(ours)
+    cli, config = parse(flags)
+    if cli.mode not in ("train", "infer"):
+        parser.error(f"the main.py mode after -- must be train or infer, got {cli.mode}")
+    check_inputs(cli.mode, config)
+    step = train_step(config) if cli.mode == "train" else predict_step(config)
+    for _ in range(WARMUP_STEPS):
+        step()
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        tic = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        wall = (time.perf_counter() - tic) / args.steps
+        tf.profiler.experimental.stop()
+        by_stage, by_type = collections.Counter(), collections.Counter()
+        for name, kind, seconds in op_events(logdir):
+            by_stage[stage_of(name, kind)] += seconds / args.steps
+            by_type[kind] += seconds / args.steps
+    total = sum(by_type.values())
+    print(f"{cli.mode} step: {wall:.3f} s wall, {total:.3f} s of op time (both threads), {args.steps} steps profiled")
+    for title, table in (("by stage", by_stage), ("by op type", by_type)):
+        print(f"\n{title:<40} {'s/step':>8} {'share':>6}")
+        for key, seconds in table.most_common(args.top):
+            print(f"{key:<40} {seconds:8.3f} {seconds / total:6.1%}")
+        rest = total - sum(seconds for _, seconds in table.most_common(args.top))
+        if rest > 0:
+            print(f"{'(the rest)':<40} {rest:8.3f} {rest / total:6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
