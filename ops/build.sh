@@ -31,14 +31,16 @@ link_flags=$(sed -n 3p <<<"$tf_info")
 mkdir -p "$OUT"
 echo "[build] compiling ${#SOURCES[@]} sources into $LIB (tensorflow $tf_version)"
 # -O3 without -march=native: the library must run on any x86-64 the venv runs on (e.g. in Docker).
-# Objects compile in parallel; each is a few seconds.
+# -ffp-contract=off: no fused multiply-adds (baseline on e.g. aarch64), so that a kernel that repeats its
+# NumPy twin's float operations (mask pasting) rounds as NumPy does. Objects compile in parallel; each is
+# a few seconds.
 pids=()
 objects=()
 for src in "${SOURCES[@]}"; do
   obj=$OUT/$(basename "${src%.cc}").o
   objects+=("$obj")
   # shellcheck disable=SC2086
-  g++ -O3 -std=c++17 -fPIC -Wall -Wno-sign-compare -Wno-deprecated-declarations -Wno-interference-size $compile_flags -c "$src" -o "$obj" &
+  g++ -O3 -ffp-contract=off -std=c++17 -fPIC -Wall -Wno-sign-compare -Wno-deprecated-declarations -Wno-interference-size $compile_flags -c "$src" -o "$obj" &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done

@@ -1,6 +1,6 @@
 """Fused C++ ops against their pure-TF twins at realistic sizes, and a whole train step with ops on vs off.
 
-    .venv/bin/python scripts/benchmark_ops.py [--repeats 7] [--no-train-step]
+    .venv/bin/python scripts/benchmark_ops.py [--repeats 7] [--no-train-step] [--only TEXT]
 
 Prints one row per op: the median milliseconds of the twin and of the fused op, and the speed-up. The two
 run alternately, repeat after repeat, so that load from other jobs on a shared machine hits both alike;
@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from mrcnn_tf2.evaluation import coco_metrics  # noqa: E402
 from mrcnn_tf2.ops import anchors as anchor_ops  # noqa: E402
 from mrcnn_tf2.ops import fused, masks, roi_align, roi_ops  # noqa: E402
 
@@ -25,6 +26,8 @@ IMAGE_SIZE = (832, 1344)
 BATCH = 2
 CHANNELS = 256
 ASPECT_RATIOS = ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4))
+TRAIN_STEP_NAME = "train step ResNet-18 256x256, batch 4"
+NAME_WIDTH = 57  # the table's op column: the longest row name
 
 
 def random_boxes(rng, shape, image_size, min_side=8.0, max_side=400.0):
@@ -118,9 +121,9 @@ def rpn_target_case(rng):
 def paste_case(rng):
     boxes = random_boxes(rng, (100,), (800, 1333), 16.0, 400.0)
     probs = rng.uniform(size=(100, 28, 28)).astype(np.float32)
-    return ("paste 100 masks into 800x1333, threshold 0.5",
-            lambda: masks.paste_masks(probs, boxes, (800, 1333), threshold=0.5),
-            lambda: fused.paste_masks(probs, boxes, (800, 1333), threshold=0.5))
+    return ("paste + RLE-encode 100 masks into 800x1333, threshold 0.5",
+            lambda: coco_metrics.encode_pasted_masks(probs, boxes, (800, 1333), 0.5),
+            lambda: fused.encode_pasted_masks(probs, boxes, (800, 1333), 0.5))
 
 
 def train_step_case(rng):
@@ -160,25 +163,27 @@ def train_step_case(rng):
         model.compile(optimizer=keras.optimizers.SGD(0.001, momentum=0.9))
         steps[mode] = tf.function(lambda model=model: model.train_step(data))
         finish(steps[mode]())  # trace and build the optimizer outside the timing
-    return "train step ResNet-18 256x256, batch 4", steps["off"], steps["on"]
+    return TRAIN_STEP_NAME, steps["off"], steps["on"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed calls of each implementation")
     parser.add_argument("--no-train-step", action="store_true", help="skip the whole-step comparison")
+    parser.add_argument("--only", default="", metavar="TEXT", help="time only the rows whose name contains TEXT")
     args = parser.parse_args()
     fused.load_library()  # fail here, clearly, when the library is not built
     rng = np.random.default_rng(0)
     cases = roi_align_cases(rng) + [proposal_case(rng), mask_target_case(rng), rpn_target_case(rng), paste_case(rng)]
-    if not args.no_train_step:
+    cases = [case for case in cases if args.only in case[0]]
+    if not args.no_train_step and args.only in TRAIN_STEP_NAME:
         cases.append(train_step_case(rng))
     print(f"median of {args.repeats} alternating repeats; {os.cpu_count()} CPU cores; tensorflow {tf.__version__}")
-    print(f"| {'op':<52} | {'twin ms':>9} | {'fused ms':>9} | {'speed-up':>8} |")
-    print(f"| {'-' * 52} | {'-' * 9}:| {'-' * 9}:| {'-' * 8}:|")
+    print(f"| {'op':<{NAME_WIDTH}} | {'twin ms':>9} | {'fused ms':>9} | {'speed-up':>8} |")
+    print(f"| {'-' * NAME_WIDTH} | {'-' * 9}:| {'-' * 9}:| {'-' * 8}:|")
     for name, twin, fused_fn in cases:
         twin_ms, fused_ms = time_pair(twin, fused_fn, args.repeats)
-        print(f"| {name:<52} | {twin_ms:9.1f} | {fused_ms:9.1f} | {twin_ms / fused_ms:7.1f}x |", flush=True)
+        print(f"| {name:<{NAME_WIDTH}} | {twin_ms:9.1f} | {fused_ms:9.1f} | {twin_ms / fused_ms:7.1f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 The suite's set-up (make test -> scripts/setup.sh -> ops/build.sh) builds the library, so these tests
 require it to load instead of skipping: a skip would hide a broken build.
 """
+import json
 import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from pycocotools import mask as mask_utils
 
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
@@ -364,59 +366,107 @@ def test_input_pipeline_with_fused_anchor_targets_equals_twin(shapes_records):
         tf.nest.map_structure(np.testing.assert_array_equal, got, want)
 
 
-# -- mask pasting -----------------------------------------------------------------------------------------
+# -- mask pasting and RLE encoding -------------------------------------------------------------------------
 
-def assert_same_paste(masks_in, boxes, hw, threshold=None):
-    got = fused.paste_masks(masks_in, boxes, hw, threshold)
-    want = masks.paste_masks(masks_in, boxes, hw, threshold)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    if threshold is None:
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    else:
-        # The twin's BLAS products may round differently in the last bit: only pixels whose probability
-        # is that close to the threshold may differ.
-        probability = masks.paste_masks(masks_in, boxes, hw)
-        decided = np.abs(probability - threshold) > 1e-6
-        np.testing.assert_array_equal(got[decided], want[decided])
-    return got
+def assert_same_rle(masks_in, boxes, hw, threshold):
+    """The fused encoder's RLE is the twin's, byte for byte; returns the decoded [h, w, D] uint8 masks."""
+    got = fused.encode_pasted_masks(masks_in, boxes, hw, threshold)
+    want = coco_metrics.encode_pasted_masks(masks_in, boxes, hw, threshold)
+    assert len(got) == len(want) == len(boxes)
+    for fused_rle, twin_rle in zip(got, want):
+        assert fused_rle["size"] == twin_rle["size"] == list(hw)
+        assert isinstance(fused_rle["counts"], bytes) and fused_rle["counts"] == twin_rle["counts"]
+    if not got:
+        return np.zeros(tuple(hw) + (0,), np.uint8)
+    decoded = mask_utils.decode(got)
+    np.testing.assert_array_equal(decoded, mask_utils.decode(want))
+    return decoded
 
 
-def test_paste_masks_equal_twin_and_oracle(rng):
+def test_encoded_masks_equal_twin_and_oracle(rng):
     hw = (20, 24)
     boxes = np.array([[3.3, 4.1, 15.7, 11.2], [-6.0, 15.0, 9.0, 40.0], [-3.0, -4.0, 30.0, 30.0],
+                      [0.0, 0.0, 20.0, 24.0],  # the whole image
                       [30.0, 30.0, 40.0, 40.0],  # wholly outside
-                      [5.0, 5.0, 5.0, 9.0],  # empty
+                      [5.0, 5.0, 5.0, 9.0],  # zero height
+                      [2.0, 7.0, 12.0, 7.0],  # zero width
                       [8.0, 2.0, 4.0, 6.0],  # inverted
                       [5.4, 1.0, 5.6, 2.0]], np.float32)  # covers one pixel centre
-    probs = rng.uniform(size=(7, 6, 6)).astype(np.float32)
-    got = assert_same_paste(probs, boxes, hw)
-    for d in range(7):
-        np.testing.assert_allclose(got[d], np_paste(probs[d], boxes[d], hw), atol=1e-5)
-    assert_same_paste(probs, boxes, hw, threshold=0.5)
-    assert_same_paste(probs, boxes, hw, threshold=0.3)
-    assert_same_paste(probs[:, :1, :1], boxes, hw, threshold=0.5)  # 1x1 masks
-    assert fused.paste_masks(np.zeros((0, 4, 4), np.float32), np.zeros((0, 4), np.float32), (5, 6)).shape == (0, 5, 6)
+    probs = rng.uniform(size=(len(boxes), 6, 6)).astype(np.float32)
+    for threshold in (0.5, 0.3):
+        decoded = assert_same_rle(probs, boxes, hw, threshold)
+        for d in range(len(boxes)):
+            # The oracle samples in float64: only pixels this close to the threshold may come out otherwise.
+            oracle = np_paste(probs[d], boxes[d], hw)
+            decided = np.abs(oracle - threshold) > 1e-5
+            np.testing.assert_array_equal(decoded[..., d][decided], (oracle >= threshold)[decided])
+        assert_same_rle(probs[:, :1, :1], boxes, hw, threshold)  # 1x1 masks
 
 
-def test_paste_masks_of_many_detections(rng):
-    hw = (240, 320)
-    centres = rng.uniform(0, 1, size=(100, 2)) * hw
-    sides = rng.uniform(1, 150, size=(100, 2))
+def test_encoded_masks_edge_cases():
+    def rle_of(mask):
+        return mask_utils.encode(np.asfortranarray(mask[..., None].astype(np.uint8)))[0]["counts"]
+
+    for hw in ((5, 6), (0, 6), (5, 0)):  # no detections
+        decoded = assert_same_rle(np.zeros((0, 4, 4), np.float32), np.zeros((0, 4), np.float32), hw, 0.5)
+        assert decoded.shape == hw + (0,)
+    hw = (5, 6)
+    whole = np.array([[0.0, 0.0, 5.0, 6.0], [-2.0, -3.0, 9.0, 8.0]], np.float32)
+    # Every pixel 1 (the RLE starts with an empty run of 0s), or 0 (a single run): the mask is constant.
+    for value, threshold, want in ((1.0, 0.5, 1), (0.5, 0.5, 1), (0.4999, 0.5, 0), (0.0, 0.3, 0)):
+        got = fused.encode_pasted_masks(np.full((2, 3, 3), value, np.float32), whole, hw, threshold)
+        assert [rle["counts"] for rle in got] == [rle_of(np.full(hw, want))] * 2
+        assert_same_rle(np.full((2, 3, 3), value, np.float32), whole, hw, threshold)
+    inside = np.array([[1.2, 2.1, 3.9, 4.4]], np.float32)
+    assert fused.encode_pasted_masks(np.zeros((1, 1, 1), np.float32), inside, hw, 0.5)[0]["counts"] == rle_of(
+        np.zeros(hw))
+    assert_same_rle(np.ones((1, 1, 1), np.float32), inside, hw, 0.5)
+    assert_same_rle(np.ones((1, 2, 2), np.float32), inside, (0, 6), 0.5)  # an image of no pixels: one run of 0
+
+
+def test_encoded_masks_agree_bit_for_bit_at_the_threshold(rng):
+    """Thresholds equal to pasted probabilities: a pixel 1 ulp lower flips (as ~10% of thresholds do
+    against BLAS matrix products, which round otherwise)."""
+    hw = (60, 80)
+    centres = rng.uniform(0, 1, size=(20, 2)) * hw
+    sides = rng.uniform(2, 50, size=(20, 2))
     boxes = np.concatenate([centres - sides / 2, centres + sides / 2], axis=1).astype(np.float32)
-    probs = rng.uniform(size=(100, 28, 28)).astype(np.float32)
-    assert_same_paste(probs, boxes, hw)
-    assert_same_paste(probs, boxes, hw, threshold=0.5)
+    probs = rng.uniform(size=(20, 28, 28)).astype(np.float32)
+    # The twin's probabilities, pasted as it pastes them for encoding (the transposed problem).
+    pasted = masks.paste_masks(probs.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], hw[::-1])
+    for threshold in rng.choice(pasted[pasted > 0], size=32, replace=False).tolist():
+        decoded = assert_same_rle(probs, boxes, hw, threshold)
+        assert (decoded.transpose(2, 1, 0) == (pasted >= threshold)).all()
 
 
-def test_paste_masks_bad_arguments_are_the_twins():
-    with pytest.raises(ValueError, match="image_hw"):
-        fused.paste_masks(np.zeros((2, 4, 4)), np.zeros((2, 4)), (8,))
+def test_encoded_masks_of_many_detections(rng):
+    hw = (480, 640)
+    centres = rng.uniform(-0.1, 1.1, size=(300, 2)) * hw
+    sides = rng.uniform(0, 300, size=(300, 2))
+    boxes = np.concatenate([centres - sides / 2, centres + sides / 2], axis=1).astype(np.float32)
+    probs = rng.uniform(size=(300, 28, 28)).astype(np.float32)
+    for threshold in (0.5, 0.3):
+        assert_same_rle(probs, boxes, hw, threshold)
 
 
-def test_evaluation_pastes_with_the_fused_op_unless_ops_are_off(rng):
-    assert fused.paste_masks_for("on") is fused.paste_masks
-    assert fused.paste_masks_for("off") is masks.paste_masks
-    # COCO results (RLE included) of one image's detections are the same through either paster.
+@pytest.mark.parametrize("args, match", [
+    ((np.zeros((2, 4, 5)), np.zeros((2, 4)), (8, 8), 0.5), "masks"),
+    ((np.zeros((2, 4, 4)), np.zeros((3, 4)), (8, 8), 0.5), "boxes"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8,), 0.5), "image_hw"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8, -1), 0.5), "image_hw"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8, 8), float("nan")), "threshold"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8, 8), None), "threshold"),
+])
+@pytest.mark.parametrize("encode", [fused.encode_pasted_masks, coco_metrics.encode_pasted_masks])
+def test_encoded_masks_bad_arguments_are_the_twins(encode, args, match):
+    with pytest.raises(ValueError, match=match):
+        encode(*args)
+
+
+def test_evaluation_encodes_with_the_fused_op_unless_ops_are_off(rng):
+    assert fused.mask_encoder_for("on") is fused.encode_pasted_masks
+    assert fused.mask_encoder_for("off") is coco_metrics.encode_pasted_masks
+    # COCO results (RLE included) of one image's detections are the same through either encoder.
     boxes = np.array([[[5.2, 7.9, 40.3, 33.1], [-3.0, 50.0, 20.0, 90.5], [60.0, 10.0, 61.0, 11.0]]], np.float32)
     predictions = {
         "detection_boxes": boxes, "detection_scores": np.array([[0.9, 0.8, 0.7]], np.float32),
@@ -424,9 +474,9 @@ def test_evaluation_pastes_with_the_fused_op_unless_ops_are_off(rng):
         "detection_masks": rng.uniform(size=(1, 3, 28, 28)).astype(np.float32),
         "image_info": np.array([[128, 128, 1.0, 70, 100]], np.float32), "source_ids": np.array([7]),
     }
-    with_fused, _ = coco_metrics.convert_detections(predictions, [1, 2], fused.paste_masks)
-    with_twin, _ = coco_metrics.convert_detections(predictions, [1, 2], masks.paste_masks)
-    assert with_fused == with_twin and len(with_fused) == 3
+    with_fused, _ = coco_metrics.convert_detections(predictions, [1, 2], fused.encode_pasted_masks)
+    with_twin, _ = coco_metrics.convert_detections(predictions, [1, 2], coco_metrics.encode_pasted_masks)
+    assert json.dumps(with_fused) == json.dumps(with_twin) and len(with_fused) == 3
 
 
 # -- the whole model -----------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Fused C++ custom ops (``ops/build/libmrcnn_ops.so``) behind the signatures of their pure-TF twins.
 
-Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2.ops`` and returns the
-same result (to float rounding); the argument checks are the twin's own. The C++ sources are in ``ops/``,
-built by ``ops/build.sh`` (which ``scripts/setup.sh`` runs).
+Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2.ops`` (the mask RLE
+encoder's is in ``mrcnn_tf2.evaluation.coco_metrics``) and returns the same result (to float rounding);
+the argument checks are the twin's own. The C++ sources are in ``ops/``, built by ``ops/build.sh`` (which
+``scripts/setup.sh`` runs).
 
 ``use_fused(mode)`` is the one place that decides which implementation runs: 'off' -> twins;
 'auto' -> fused when the library loads, else one warning and twins; 'on' -> fused, or
@@ -17,9 +18,10 @@ import os
 import threading
 import warnings
 
-import numpy as np
 import tensorflow as tf
+from pycocotools import mask as mask_utils
 
+from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.ops import roi_align, roi_ops
@@ -215,37 +217,32 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
                                           labels, positive_indices)
 
 
-# -- mask pasting (evaluation, NumPy in and out) ----------------------------------------------------------
+# -- mask pasting and RLE encoding (evaluation, NumPy in, pycocotools RLE out) -----------------------------
 
-def paste_masks(masks, boxes, image_hw, threshold=None):
-    """Fused ``masks.paste_masks``: same arguments and result, to float rounding (see its docstring).
+def encode_pasted_masks(masks, boxes, image_hw, threshold):
+    """Fused ``coco_metrics.encode_pasted_masks``: the same RLE, byte for byte (see its docstring).
 
-    The op computes each box's region; they are placed here into a zero-initialised array, so pixels
-    outside every box are never touched (NumPy's zeros are lazily zeroed pages).
+    The op pastes each mask into its box region and emits the full-image mask's uncompressed run lengths
+    (the zeros around the box are counted, not materialised); pycocotools compresses them.
 
     Args:
       masks: [D, R, R] float32 probabilities; boxes: [D, 4] float32 [ymin, xmin, ymax, xmax] pixels;
-      image_hw: (h, w) ints; threshold: None or a float.
+      image_hw: (h, w) ints; threshold: float.
 
     Returns:
-      [D, h, w] float32 probabilities, or uint8 in {0, 1} when ``threshold`` is given.
+      list of D dicts {'size': [h, w], 'counts': bytes}, pycocotools' compressed RLE.
     """
-    masks, boxes, height, width = mask_ops.check_paste_arguments(masks, boxes, image_hw, threshold)
-    binary = threshold is not None
-    out = np.zeros((masks.shape[0], height, width), np.uint8 if binary else np.float32)
-    regions, extents = load_library().mrcnn_paste_masks(
-        masks, boxes, height=height, width=width, threshold=float(threshold) if binary else 0.5,
-        out_type=tf.uint8 if binary else tf.float32)
-    regions, extents = regions.numpy(), extents.numpy()
-    start = 0
-    for d, (top, left, rows, cols) in enumerate(extents.tolist()):
-        if rows * cols:
-            out[d, top:top + rows, left:left + cols] = regions[start:start + rows * cols].reshape(rows, cols)
-        start += rows * cols
-    return out
+    masks, boxes, height, width = coco_metrics.check_encode_arguments(masks, boxes, image_hw, threshold)
+    if not len(masks):
+        return []  # frPyObjects cannot take an empty list
+    counts, splits = load_library().mrcnn_paste_masks_rle(masks, boxes, height=height, width=width,
+                                                          threshold=float(threshold))
+    counts, splits = counts.numpy(), splits.numpy().tolist()
+    return mask_utils.frPyObjects([{"size": [height, width], "counts": counts[start:stop]}
+                                   for start, stop in zip(splits[:-1], splits[1:])], height, width)
 
 
-def paste_masks_for(mode):
-    """The mask paster that evaluation and inference use for ``--custom_ops`` ``mode``: this module's
-    ``paste_masks`` when ``use_fused(mode)`` (it runs in NumPy land, never under XLA), else the twin."""
-    return paste_masks if use_fused(mode) else mask_ops.paste_masks
+def mask_encoder_for(mode):
+    """The mask encoder that evaluation and inference use for ``--custom_ops`` ``mode``: this module's
+    ``encode_pasted_masks`` when ``use_fused(mode)`` (it runs in NumPy land, never under XLA), else the twin."""
+    return encode_pasted_masks if use_fused(mode) else coco_metrics.encode_pasted_masks

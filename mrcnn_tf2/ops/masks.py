@@ -122,23 +122,23 @@ def mask_targets(rois, gt_boxes, gt_mask_crops, output_size):
 
 
 def _axis_weights(start, end, mask_size, num_pixels):
-    """Pixels of one axis whose centres lie in [start, end), as a bilinear interpolation matrix.
+    """Pixels of one axis whose centres lie in [start, end), each with its two mask cells and their weights.
 
     Returns:
-      (first, weights): index of the first covered pixel (int) and [n, mask_size] float32 weights whose
-      row k interpolates the mask for pixel first + k; n (possibly 0) is the number of covered pixels.
+      (first, low, high, w_low, w_high): index of the first covered pixel (int); for the n (possibly 0)
+      covered pixels first .. first + n - 1, [n] intp lower and upper mask cells (equal at the mask's edges)
+      and [n] float32 bilinear weights of each (w_low + w_high = 1).
     """
     # Pixel p is covered when start <= p + 0.5 < end.
     first = min(max(int(np.ceil(start - 0.5)), 0), num_pixels)
     stop = min(max(int(np.ceil(end - 0.5)), first), num_pixels)
     centres = np.arange(first, stop, dtype=np.float32) + 0.5
     coords = (centres - start) * (mask_size / max(end - start, _MIN_EXTENT)) - 0.5
-    coords = np.clip(coords, 0.0, mask_size - 1.0)[:, None]
+    coords = np.clip(coords, 0.0, mask_size - 1.0)
     low = np.floor(coords)
-    high = np.minimum(low + 1.0, mask_size - 1.0)
-    cells = np.arange(mask_size, dtype=np.float32)
-    weights = (cells == low) * (1.0 - (coords - low)) + (cells == high) * (coords - low)
-    return first, weights.astype(np.float32)
+    frac = coords - low
+    low = low.astype(np.intp)
+    return first, low, np.minimum(low + 1, mask_size - 1), 1.0 - frac, frac
 
 
 def check_paste_arguments(masks, boxes, image_hw, threshold):
@@ -163,8 +163,8 @@ def check_paste_arguments(masks, boxes, image_hw, threshold):
 def paste_masks(masks, boxes, image_hw, threshold=None):
     """Paste box-aligned mask predictions into full-image masks (evaluation side, NumPy, one image).
 
-    Only each box's pixel region is resampled (separable bilinear, as matrix products), so the cost grows
-    with the boxes' area, not with D * h * w.
+    Only each box's pixel region is resampled (separable bilinear, rows first), so the cost grows with the
+    boxes' area, not with D * h * w.
 
     Args:
       masks: [D, R, R] float32 mask probabilities, pixel-centre convention relative to their box.
@@ -180,13 +180,16 @@ def paste_masks(masks, boxes, image_hw, threshold=None):
     mask_size = masks.shape[1]
     out = np.zeros((masks.shape[0], height, width), np.float32 if threshold is None else np.uint8)
     for d, (ymin, xmin, ymax, xmax) in enumerate(boxes.tolist()):
-        top, rows = _axis_weights(ymin, ymax, mask_size, height)
-        left, cols = _axis_weights(xmin, xmax, mask_size, width)
-        if rows.size == 0 or cols.size == 0:
+        top, y_low, y_high, y_w_low, y_w_high = _axis_weights(ymin, ymax, mask_size, height)
+        left, x_low, x_high, x_w_low, x_w_high = _axis_weights(xmin, xmax, mask_size, width)
+        if y_low.size == 0 or x_low.size == 0:
             continue
-        # Separable bilinear resize of the box region only, as two small matrix products.
-        region = rows @ masks[d] @ cols.T
+        # Separable bilinear resize of the box region only, rows first, each value from its two neighbouring
+        # cells. Elementwise rather than as matrix products, so that the float operations are fixed (a BLAS
+        # product's summation order and use of FMA are not): the fused RLE encoder repeats them bit for bit.
+        by_rows = masks[d][y_low] * y_w_low[:, None] + masks[d][y_high] * y_w_high[:, None]  # [rows, R]
+        region = by_rows[:, x_low] * x_w_low + by_rows[:, x_high] * x_w_high  # [rows, cols]
         if threshold is not None:
             region = region >= threshold
-        out[d, top:top + rows.shape[0], left:left + cols.shape[0]] = region
+        out[d, top:top + y_low.size, left:left + x_low.size] = region
     return out

@@ -25,7 +25,7 @@ import tensorflow as tf
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.ops.fused import paste_masks_for
+from mrcnn_tf2.ops.fused import mask_encoder_for
 from mrcnn_tf2.runtime.precision import set_precision
 
 # Exit status of a run that cannot start: no checkpoint, no annotation file, no validation image.
@@ -106,7 +106,7 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
     batch_size = config.eval.eval_batch_size
     dataset = InputPipeline(config, training=False).dataset(config.data.resolved_validation_pattern(), batch_size)
     predict = predict_function(model, config.runtime.eagerly)
-    paste = paste_masks_for(config.runtime.custom_ops)
+    encode_masks = mask_encoder_for(config.runtime.custom_ops)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
     results, image_ids, dropped = [], [], 0
     batches = iter(dataset)
@@ -124,7 +124,7 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
         time_s["input"] += toc - tic
         time_s["model"] += time.perf_counter() - toc
         tic = time.perf_counter()
-        batch_results, batch_dropped = coco_metrics.convert_detections(outputs, category_ids, paste)
+        batch_results, batch_dropped = coco_metrics.convert_detections(outputs, category_ids, encode_masks)
         time_s["pasting"] += time.perf_counter() - tic
         results += batch_results
         dropped += batch_dropped

@@ -40,7 +40,7 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, InputPipeline, resize_and_pad
 from mrcnn_tf2.evaluation import coco_metrics
-from mrcnn_tf2.ops.fused import paste_masks_for
+from mrcnn_tf2.ops.fused import mask_encoder_for
 from mrcnn_tf2.ops.masks import paste_masks
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.evaluate import load_model, pad_batch, predict_function, write_json_atomically
@@ -303,12 +303,12 @@ def run(config):
     taken = {os.path.basename(p) for p in paths if os.path.dirname(os.path.realpath(p)) == real_output_dir}
     predict = predict_function(loaded.model, config.runtime.eagerly)
     batch_size = config.eval.eval_batch_size
-    paste = paste_masks_for(config.runtime.custom_ops)
+    encode_masks = mask_encoder_for(config.runtime.custom_ops)
     results, images, dropped = [], [], 0
     started = time.perf_counter()
     for chunk in batched(photos, batch_size):
         outputs = detect(predict, chunk, config.data.image_size, batch_size)
-        chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, paste)
+        chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, encode_masks)
         results += chunk_results
         dropped += chunk_dropped
         for b, photo in enumerate(chunk):
