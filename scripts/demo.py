@@ -41,7 +41,7 @@ MODEL_FLAGS = [
 # Per preset: generated images and the schedule (epochs over the training images at batch 8).
 PRESETS = {
     "full": dict(num_train=1000, num_val=50, epochs=6, boundaries=("0.2", "4.0")),
-    "quick": dict(num_train=160, num_val=20, epochs=4, boundaries=("0.2", "3.3")),
+    "quick": dict(num_train=320, num_val=20, epochs=4, boundaries=("0.5", "3.3")),
 }
 IMAGE_SIDE, BATCH_SIZE, SEED = 128, 8, 0
 # Validation images drawn with their detections, and the steps of the inference benchmark.
@@ -67,7 +67,7 @@ def stages(preset, out):
     yield "train Mask R-CNN from scratch", [
         "main.py", "train", *common, "--train_batch_size", str(BATCH_SIZE), "--seed", str(SEED),
         "--epochs", str(preset["epochs"]), "--init_learning_rate", "1e-4",
-        "--learning_rate_values", "3.75e-3", "3.75e-4", "--learning_rate_boundaries", *preset["boundaries"],
+        "--learning_rate_values", "2.5e-3", "2.5e-4", "--learning_rate_boundaries", *preset["boundaries"],
         "--log_every", "25", "--log_warmup_steps", "5", "--checkpoint_every", "100",
     ]
     yield "evaluate COCO AP on the validation split", [
