@@ -5,7 +5,6 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mrcnn_tf2  # noqa: E402,F401  (before TensorFlow: it sets TensorFlow's environment)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

@@ -83,8 +83,8 @@ def test_two_ranks_stay_identical_and_equal_one_process_on_the_combined_batch(tm
         update([batch])
     moved = 0
     for i, variable in enumerate(trainer.model.trainable_variables):
-        # atol: oneDNN's convolution gradients sum a batch of 2 in another order than two batches of 1
-        # (a few weights differ by 2e-6); the typical update here is 6e-4.
+        # atol: with oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS=1) convolution gradients sum a batch of 2 in
+        # another order than two batches of 1 (a few weights differ by 2e-6); the typical update is 6e-4.
         np.testing.assert_allclose(ranks[0][f"final_{i}"], variable.numpy(), rtol=1e-4, atol=1e-5,
                                    err_msg=variable.path)
         moved += not np.allclose(ranks[0][f"initial_{i}"], variable.numpy())

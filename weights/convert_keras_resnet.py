@@ -40,7 +40,6 @@ if __package__ in (None, ""):
     # Run as a script (python weights/convert_keras_resnet.py): make the repository root importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mrcnn_tf2  # noqa: E402,F401  (before TensorFlow: it sets TensorFlow's environment)
 import h5py  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
