@@ -22,8 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The CPU-sized preset. Scenes of 128x128 pixels (objects of 8 to 64 px) trained at that size with
 # ResNet-18 from scratch: batch norm trained (no pretrained statistics to keep), no frozen blocks, FPN and
 # the box head's input narrowed to 128 channels and the mask head to 64 (it costs most of a step at 128),
-# anchors of 16 px on P2 for the small objects, and second-stage budgets
-# sized to a few objects per image. Learning rates are per image of the batch (NVIDIA's convention).
+# anchors of 16 px on P2 for the small objects, and second-stage budgets sized to a few objects per image. Learning rates are per image of the batch (NVIDIA's convention).
 MODEL_FLAGS = [
     "--backbone", "resnet18", "--image_size", "128", "128", "--finetune_bn",
     "--config_override", "model.freeze_blocks=[]",
@@ -48,8 +47,8 @@ IMAGE_SIDE, BATCH_SIZE, SEED = 128, 8, 0
 PICTURES, BENCHMARK_STEPS = 4, 10
 # oneDNN's CPU kernels, which TensorFlow enables by default only on AVX-512 class CPUs: at this image size
 # they make the train step faster on an AVX2 CPU too (1.09 vs 1.49 s measured), while at 832x1344 they
-# made it several times slower (see the README's Results), so the demo asks for them and the package
-# does not. The variable is read when TensorFlow is imported: it must be in the stages' environment.
+# made the ResNet-50 train step slower (98 vs 77 s, see the README's Results), so the demo asks for them
+# and the package does not. The variable is read when TensorFlow is imported: it must be in the stages' environment.
 STAGE_ENVIRONMENT = {"TF_ENABLE_ONEDNN_OPTS": "1"}
 
 
