@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The CPU-sized preset. Scenes of 128x128 pixels (objects of 8 to 64 px) trained at that size with
 # ResNet-18 from scratch: batch norm trained (no pretrained statistics to keep), no frozen blocks, FPN and
 # the box head's input narrowed to 128 channels and the mask head to 64 (it costs most of a step at 128),
-# anchors of 16 px on P2 for the small objects, and second-stage budgets sized to a few objects per image. Learning rates are per image of the batch (NVIDIA's convention).
+# anchors of 16 px on P2 for the small objects, and second-stage budgets sized to a few objects per image.
+# Learning rates are per image of the batch (NVIDIA's convention).
 MODEL_FLAGS = [
     "--backbone", "resnet18", "--image_size", "128", "128", "--finetune_bn",
     "--config_override", "model.freeze_blocks=[]",
