@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from mrcnn_tf2.model.tracking import TracksSublayers
+from mrcnn_tf2.ops import conv as conv_ops
 
 BN_EPSILON = 1e-5
 BN_MOMENTUM = 0.9
@@ -47,6 +48,14 @@ FIRST_LEVEL = 2
 def he_normal_fan_out():
     """He init with fan_out (kaiming_normal mode='fan_out'), as torchvision and Detectron initialise convs."""
     return keras.initializers.VarianceScaling(scale=2.0, mode="fan_out", distribution="untruncated_normal")
+
+
+@keras.saving.register_keras_serializable(package="mrcnn_tf2")
+class Conv2D(keras.layers.Conv2D):
+    """keras.layers.Conv2D (NHWC, equal strides, no dilation) whose kernel gradient is conv_ops.conv2d's."""
+
+    def convolution_op(self, inputs, kernel):
+        return conv_ops.conv2d(inputs, kernel, self.strides[0], self.padding.upper())
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
@@ -105,7 +114,7 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         return tf.nn.relu(x) if self.relu else x
 
     def _convolve(self, x, kernel):
-        return tf.nn.conv2d(x, kernel, self.strides, self._padding)
+        return conv_ops.conv2d(x, kernel, self.strides, self._padding)
 
     def get_config(self):
         config = super().get_config()

@@ -13,6 +13,7 @@ or heads.
 import keras
 import tensorflow as tf
 
+from mrcnn_tf2.model.backbone import Conv2D
 from mrcnn_tf2.model.tracking import TracksSublayers
 
 # The backbone's finest and coarsest levels (C2 at stride 4, C5 at stride 32).
@@ -66,9 +67,9 @@ class FPN(TracksSublayers, keras.layers.Layer):
         self.num_filters = num_filters
         levels = range(min_level, BACKBONE_MAX_LEVEL + 1)
         conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros")
-        self.lateral = {level: keras.layers.Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
+        self.lateral = {level: Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
                         for level in levels}
-        self.output_convs = {level: keras.layers.Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}",
+        self.output_convs = {level: Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}",
                                                         **conv)
                              for level in levels}
 

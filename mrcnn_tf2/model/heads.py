@@ -19,7 +19,7 @@ import math
 import keras
 import tensorflow as tf
 
-from mrcnn_tf2.model.backbone import he_normal_fan_out
+from mrcnn_tf2.model.backbone import Conv2D, he_normal_fan_out
 from mrcnn_tf2.model.fpn import xavier_fill
 from mrcnn_tf2.model.tracking import TracksSublayers
 
@@ -56,15 +56,15 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_anchors = num_anchors
         self.num_filters = num_filters
-        self.conv = keras.layers.Conv2D(
+        self.conv = Conv2D(
             num_filters, 3, padding="same", activation="relu", kernel_initializer=_normal(RPN_INIT_STDDEV),
             bias_initializer="zeros", name="rpn_conv",
         )
-        self.score_conv = keras.layers.Conv2D(
+        self.score_conv = Conv2D(
             num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
             dtype="float32", name="rpn_scores",
         )
-        self.box_conv = keras.layers.Conv2D(
+        self.box_conv = Conv2D(
             BOX_CODE_SIZE * num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
             dtype="float32", name="rpn_boxes",
         )
@@ -166,7 +166,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
         self.num_convs = num_convs
         init = dict(kernel_initializer=he_normal_fan_out(), bias_initializer="zeros")
         self.convs = [
-            keras.layers.Conv2D(num_filters, 3, padding="same", activation="relu", name=f"mask_conv{i}", **init)
+            Conv2D(num_filters, 3, padding="same", activation="relu", name=f"mask_conv{i}", **init)
             for i in range(1, num_convs + 1)
         ]
         self.deconv = keras.layers.Conv2DTranspose(
@@ -174,7 +174,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
         )
         # Small logits at the start (mask loss ~ log 2), whatever the number of classes: He init with
         # fan_out = K would give logits of std ~ sqrt(2 / K) times the activations.
-        self.logits = keras.layers.Conv2D(num_classes, 1, dtype="float32", name="mask_logits",
+        self.logits = Conv2D(num_classes, 1, dtype="float32", name="mask_logits",
                                           kernel_initializer=_normal(MASK_LOGITS_INIT_STDDEV), bias_initializer="zeros")
 
     def build(self, input_shape):

@@ -1,0 +1,83 @@
+"""conv_ops.conv2d: tf.nn.conv2d's output and both gradients, with the kernel gradient as matrix products."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2.model.backbone import Conv2D
+from mrcnn_tf2.ops import conv as conv_ops
+
+# (kernel size, stride, padding, input height, input width): the convs of the model (3x3 'SAME', 1x1,
+# strided 1x1 'VALID', the stem's 7x7/2 and the 3x3/2 with symmetric explicit padding) on odd sizes, and
+# the stride-1 paddings that kernel_gradient handles (even kernels pad one pixel more after than before).
+CASES = [
+    (3, 1, "SAME", 9, 12),
+    (1, 1, "SAME", 7, 5),
+    (1, 2, "VALID", 9, 11),
+    (3, 2, "SAME", 9, 11),
+    (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]], 9, 11),
+    (7, 2, [[0, 0], [3, 3], [3, 3], [0, 0]], 15, 13),
+    (3, 1, "VALID", 6, 8),
+    (2, 1, "SAME", 5, 6),
+    (3, 1, [[0, 0], [2, 0], [1, 2], [0, 0]], 6, 7),
+]
+
+
+def _gradients(fn, x, w, upstream):
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        y = fn(x, w)
+        loss = tf.reduce_sum(y * upstream)
+    return (y, *tape.gradient(loss, [x, w]))
+
+
+@pytest.mark.parametrize("kernel_size,stride,padding,height,width", CASES)
+def test_conv2d_matches_tensorflow(kernel_size, stride, padding, height, width):
+    rng = np.random.default_rng(kernel_size * 10 + stride)
+    x = tf.constant(rng.normal(size=(2, height, width, 5)), tf.float32)
+    w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
+    upstream = tf.constant(rng.normal(size=tf.nn.conv2d(x, w, stride, padding).shape), tf.float32)
+    expected = _gradients(lambda x, w: tf.nn.conv2d(x, w, stride, padding), x, w, upstream)
+    actual = _gradients(lambda x, w: conv_ops.conv2d(x, w, stride, padding), x, w, upstream)
+    for name, want, got in zip(("output", "input gradient", "kernel gradient"), expected, actual):
+        assert got.shape == want.shape, name
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size():
+    """Shapes known only at run time (the model's tf.function with dynamic image batches)."""
+    rng = np.random.default_rng(0)
+    w = tf.constant(rng.normal(size=(3, 3, 3, 2)), tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32)])
+    def kernel_grad(x):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = tf.reduce_sum(conv_ops.conv2d(x, w, 1, "SAME") ** 2)
+        return tape.gradient(loss, w)
+
+    x = tf.constant(rng.normal(size=(3, 10, 7, 3)), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
+    np.testing.assert_allclose(kernel_grad(x).numpy(), tape.gradient(loss, w).numpy(), rtol=1e-4, atol=1e-3)
+
+
+def test_keras_layer_trains_like_keras_conv2d():
+    """The model's Conv2D layer: same outputs and variable gradients as keras.layers.Conv2D's."""
+    import keras
+
+    x = tf.constant(np.random.default_rng(1).normal(size=(2, 8, 8, 3)), tf.float32)
+    ours, theirs = Conv2D(4, 3, padding="same", activation="relu"), keras.layers.Conv2D(4, 3, padding="same",
+                                                                                        activation="relu")
+    ours.build(x.shape)
+    theirs.build(x.shape)
+    theirs.set_weights(ours.get_weights())
+    results = []
+    for layer in (ours, theirs):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+            loss = tf.reduce_sum(y * y)
+        results.append([y, *tape.gradient(loss, [v.value for v in layer.trainable_variables])])
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
