@@ -81,3 +81,29 @@ def test_keras_layer_trains_like_keras_conv2d():
         results.append([y, *tape.gradient(loss, [v.value for v in layer.trainable_variables])])
     for got, want in zip(*results):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3])
+def test_transposed_conv2d_is_the_conv(kernel_size):
+    """The batch-of-one route under oneDNN (module docstring), checked whatever the test process's kernels."""
+    rng = np.random.default_rng(kernel_size)
+    x = tf.constant(rng.normal(size=(1, 9, 12, 5)), tf.float32)
+    w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
+    got = conv_ops.transposed_conv2d(x, w)
+    assert got.shape == (1, 9, 12, 4)
+    np.testing.assert_allclose(got.numpy(), tf.nn.conv2d(x, w, 1, "SAME").numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_with_the_onednn_route(monkeypatch):
+    """conv2d as it runs under oneDNN: static and dynamic batches of one and of two, output and gradients."""
+    monkeypatch.setattr(conv_ops, "ONEDNN", True)
+    rng = np.random.default_rng(3)
+    w = tf.constant(rng.normal(size=(3, 3, 5, 4)), tf.float32)
+    dynamic = tf.function(lambda x, w: _gradients(lambda x, w: conv_ops.conv2d(x, w), x, w, 1.0),
+                          input_signature=[tf.TensorSpec([None, None, None, 5]), tf.TensorSpec([3, 3, 5, 4])])
+    for batch in (1, 2):
+        x = tf.constant(rng.normal(size=(batch, 6, 7, 5)), tf.float32)
+        expected = _gradients(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME"), x, w, 1.0)
+        for got in (_gradients(lambda x, w: conv_ops.conv2d(x, w), x, w, 1.0), dynamic(x, w)):
+            for want, value in zip(expected, got):
+                np.testing.assert_allclose(value.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
