@@ -48,8 +48,11 @@ def kernel_gradient(inputs, out_grad, kernel_shape, padding):
     taps = []
     for i in range(kh):
         for j in range(kw):
-            # The input pixels that tap (i, j) multiplies, for every output pixel: [B, H_out, W_out, C_in].
-            shifted = padded[:, i:i + out_h, j:j + out_w]
+            # The input pixels that tap (i, j) multiplies, for every output pixel: [B, H_out, W_out, C_in],
+            # a copy as large as the input. Taken only once the previous tap's product is done, so that at
+            # most two copies are alive, not KH * KW.
+            with tf.control_dependencies(taps[-1:]):
+                shifted = padded[:, i:i + out_h, j:j + out_w]
             taps.append(tf.matmul(tf.reshape(shifted, [-1, c_in]), grad, transpose_a=True))
     return tf.reshape(tf.stack(taps), [kh, kw, c_in, c_out])
 
