@@ -69,8 +69,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
         conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros")
         self.lateral = {level: Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
                         for level in levels}
-        self.output_convs = {level: Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}",
-                                                        **conv)
+        self.output_convs = {level: Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}", **conv)
                              for level in levels}
 
     def build(self, input_shape):

@@ -175,7 +175,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
         # Small logits at the start (mask loss ~ log 2), whatever the number of classes: He init with
         # fan_out = K would give logits of std ~ sqrt(2 / K) times the activations.
         self.logits = Conv2D(num_classes, 1, dtype="float32", name="mask_logits",
-                                          kernel_initializer=_normal(MASK_LOGITS_INIT_STDDEV), bias_initializer="zeros")
+                             kernel_initializer=_normal(MASK_LOGITS_INIT_STDDEV), bias_initializer="zeros")
 
     def build(self, input_shape):
         if len(input_shape) != 5:
