@@ -1,5 +1,6 @@
 """conv_ops.conv2d: tf.nn.conv2d's output and both gradients, with the kernel gradient as matrix products."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -65,8 +66,6 @@ def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size():
 
 def test_keras_layer_trains_like_keras_conv2d():
     """The model's Conv2D layer: same outputs and variable gradients as keras.layers.Conv2D's."""
-    import keras
-
     x = tf.constant(np.random.default_rng(1).normal(size=(2, 8, 8, 3)), tf.float32)
     ours, theirs = Conv2D(4, 3, padding="same", activation="relu"), keras.layers.Conv2D(4, 3, padding="same",
                                                                                         activation="relu")

@@ -76,13 +76,15 @@ def transposed_conv2d(inputs, kernel):
 
 def _forward(inputs, kernel, padding):
     """The stride-1 conv, by the faster oneDNN kernel where a batch of one is possible (module docstring)."""
-    if not ONEDNN or padding != "SAME" or kernel.shape[0] % 2 == 0 or kernel.shape[1] % 2 == 0:
+    def direct():
         return tf.nn.conv2d(inputs, kernel, 1, padding)
-    batch = inputs.shape[0]
-    if batch is not None:
-        return transposed_conv2d(inputs, kernel) if batch == 1 else tf.nn.conv2d(inputs, kernel, 1, padding)
-    outputs = tf.cond(tf.shape(inputs)[0] == 1, lambda: transposed_conv2d(inputs, kernel),
-                      lambda: tf.nn.conv2d(inputs, kernel, 1, padding))
+
+    transposable = ONEDNN and padding == "SAME" and kernel.shape[0] % 2 == 1 and kernel.shape[1] % 2 == 1
+    if not transposable or inputs.shape[0] not in (1, None):
+        return direct()
+    if inputs.shape[0] == 1:
+        return transposed_conv2d(inputs, kernel)
+    outputs = tf.cond(tf.shape(inputs)[0] == 1, lambda: transposed_conv2d(inputs, kernel), direct)
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
     return outputs
 
