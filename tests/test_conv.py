@@ -93,16 +93,38 @@ def test_transposed_conv2d_is_the_conv(kernel_size):
     np.testing.assert_allclose(got.numpy(), tf.nn.conv2d(x, w, 1, "SAME").numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_conv2d_with_the_onednn_route(monkeypatch):
+@pytest.mark.parametrize("kernel_size,stride,padding,height", [
+    (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]], 9),  # odd output height: the halves share a row
+    (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]], 8),
+    (1, 2, "VALID", 10),
+    (7, 2, [[0, 0], [3, 3], [3, 3], [0, 0]], 15),
+    (3, 1, "VALID", 2),  # a single output row
+])
+def test_split_conv2d_is_the_conv(kernel_size, stride, padding, height):
+    """The batch-of-one route of strided convs under oneDNN, checked whatever the test process's kernels."""
+    rng = np.random.default_rng(height)
+    x = tf.constant(rng.normal(size=(1, height, 11, 5)), tf.float32)
+    w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
+    want = tf.nn.conv2d(x, w, stride, padding)
+    got = conv_ops.split_conv2d(x, w, stride, padding)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel_size,stride,padding", [
+    (3, 1, "SAME"), (1, 1, "VALID"), (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]]), (1, 2, "VALID")])
+def test_conv2d_with_the_onednn_route(monkeypatch, kernel_size, stride, padding):
     """conv2d as it runs under oneDNN: static and dynamic batches of one and of two, output and gradients."""
     monkeypatch.setattr(conv_ops, "ONEDNN", True)
     rng = np.random.default_rng(3)
-    w = tf.constant(rng.normal(size=(3, 3, 5, 4)), tf.float32)
-    dynamic = tf.function(lambda x, w: _gradients(lambda x, w: conv_ops.conv2d(x, w), x, w, 1.0),
-                          input_signature=[tf.TensorSpec([None, None, None, 5]), tf.TensorSpec([3, 3, 5, 4])])
+    w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
+    conv = lambda x, w: conv_ops.conv2d(x, w, stride, padding)  # noqa: E731
+    dynamic = tf.function(lambda x, w: _gradients(conv, x, w, 1.0),
+                          input_signature=[tf.TensorSpec([None, None, None, 5]), tf.TensorSpec(w.shape)])
     for batch in (1, 2):
-        x = tf.constant(rng.normal(size=(batch, 6, 7, 5)), tf.float32)
-        expected = _gradients(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME"), x, w, 1.0)
-        for got in (_gradients(lambda x, w: conv_ops.conv2d(x, w), x, w, 1.0), dynamic(x, w)):
+        x = tf.constant(rng.normal(size=(batch, 9, 7, 5)), tf.float32)
+        expected = _gradients(lambda x, w: tf.nn.conv2d(x, w, stride, padding), x, w, 1.0)
+        for got in (_gradients(conv, x, w, 1.0), dynamic(x, w)):
             for want, value in zip(expected, got):
+                assert value.shape == want.shape
                 np.testing.assert_allclose(value.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)

@@ -1,18 +1,20 @@
-"""2-D convolution whose kernel gradient is computed as matrix products.
+"""2-D convolution whose kernel gradient is computed as matrix products, and faster routes for a batch of one.
 
 TensorFlow's oneDNN CPU kernel for a convolution's kernel (filter) gradient is slow at the sizes of a
 full-resolution model: on this 2-core AVX2 CPU, for the FPN's and the RPN head's 3x3 256->256 conv on P2
 of an 832x1344 batch of 2, it ran at 27 GFLOP/s against 189 GFLOP/s for the forward conv. The same
-gradient written as one matrix product per kernel tap (`kernel_gradient`: the input shifted by the tap,
-[C_in, N] x [N, C_out] over the N output pixels of the batch) runs at 128 GFLOP/s there
-(`TF_ENABLE_ONEDNN_OPTS=1 scripts/benchmark_conv.py`); with TensorFlow's own kernels (oneDNN off) the two
-are about as fast (103 vs 94 GFLOP/s). `conv2d` is tf.nn.conv2d with that gradient for stride-1 convs; the
+gradient written as one matrix product per kernel tap (`kernel_gradient`: [C_in, N] x [N, C_out] over the
+N pixels of the batch, the input rows offset by the tap) runs at 131 GFLOP/s there
+(`TF_ENABLE_ONEDNN_OPTS=1 scripts/benchmark_conv.py`); with TensorFlow's own kernels (oneDNN off) it is
+faster too (129 vs 106 GFLOP/s). `conv2d` is tf.nn.conv2d with that gradient for stride-1 convs; the
 input gradient stays TensorFlow's kernel.
 
 oneDNN also runs a batch of one image through its im2col-GEMM forward convolution, 54 GFLOP/s for that
 P2 conv at batch 1, while the same conv's input gradient (a transposed convolution) runs at 186 GFLOP/s.
 A stride-1 conv with symmetric padding is the transposed conv of the kernel flipped in space with its
-input and output channels swapped, so under oneDNN `conv2d` computes a batch of one that way.
+input and output channels swapped, so under oneDNN `conv2d` computes a batch of one that way. A strided
+conv has no such twin; its batch of one runs as a batch of two, the image's top and bottom halves
+(`split_conv2d`): the ResNet's 3x3/2 128->128 conv on 208x336 took 80 ms as one image, 39 ms as halves.
 
 Tensors are NHWC; kernels [KH, KW, C_in, C_out].
 """
@@ -40,20 +42,22 @@ def kernel_gradient(inputs, out_grad, kernel_shape, padding):
         padding = [[0, 0], [0, 0], [0, 0], [0, 0]]
     elif padding == "SAME":  # at stride 1 TensorFlow pads k - 1 in all, the odd pixel after
         padding = [[0, 0], [(kh - 1) // 2, kh // 2], [(kw - 1) // 2, kw // 2], [0, 0]]
-    padded = tf.pad(inputs, padding)
-    out_shape = tf.shape(out_grad)
-    out_h, out_w = out_shape[1], out_shape[2]
-    # [N, C_out] with N = B * H_out * W_out: every output pixel of the batch is one row of the product.
-    grad = tf.reshape(out_grad, [-1, c_out])
-    taps = []
-    for i in range(kh):
-        for j in range(kw):
-            # The input pixels that tap (i, j) multiplies, for every output pixel: [B, H_out, W_out, C_in],
-            # a copy as large as the input. Taken only once the previous tap's product is done, so that at
-            # most two copies are alive, not KH * KW.
-            with tf.control_dependencies(taps[-1:]):
-                shifted = padded[:, i:i + out_h, j:j + out_w]
-            taps.append(tf.matmul(tf.reshape(shifted, [-1, c_in]), grad, transpose_a=True))
+    if padding != [[0, 0], [0, 0], [0, 0], [0, 0]]:  # no copy for the many 1x1 convs
+        inputs = tf.pad(inputs, padding)
+    width = tf.shape(inputs)[2]  # of the padded input: W_out + KW - 1; its height is H_out + KH - 1
+    # Tap (i, j) multiplies output pixel (y, x) by padded pixel (y + i, x + j). With the output gradient
+    # zero-padded to the same grid and both flattened to rows of pixels, that pixel is the row
+    # i * width + j further on, in the same image, so the tap's input rows are one contiguous block of the
+    # flattened input: a view TensorFlow slices without copying, where nine shifted copies were the cost.
+    # The rows that a block reaches past the output pixels meet zero gradient rows and add nothing.
+    if kh > 1 or kw > 1:
+        out_grad = tf.pad(out_grad, [[0, 0], [0, kh - 1], [0, kw - 1], [0, 0]])
+    grad = tf.reshape(out_grad, [-1, c_out])  # [B * H_p * W_p, C_out]
+    rows = tf.shape(grad)[0] - (kh - 1) * width - (kw - 1)  # the same count for every tap: the last one's
+    pixels = tf.reshape(inputs, [-1, c_in])
+    grad = grad[:rows]
+    taps = [tf.matmul(pixels[i * width + j:i * width + j + rows], grad, transpose_a=True)
+            for i in range(kh) for j in range(kw)]
     return tf.reshape(tf.stack(taps), [kh, kw, c_in, c_out])
 
 
@@ -74,19 +78,49 @@ def transposed_conv2d(inputs, kernel):
     return outputs
 
 
-def _forward(inputs, kernel, padding):
-    """The stride-1 conv, by the faster oneDNN kernel where a batch of one is possible (module docstring)."""
-    def direct():
-        return tf.nn.conv2d(inputs, kernel, 1, padding)
+def split_conv2d(inputs, kernel, strides, padding):
+    """tf.nn.conv2d of a batch of one image, computed as a batch of two: its top and its bottom half.
 
-    transposable = ONEDNN and padding == "SAME" and kernel.shape[0] % 2 == 1 and kernel.shape[1] % 2 == 1
-    if not transposable or inputs.shape[0] not in (1, None):
+    Args:
+      inputs: [1, H, W, C_in].
+      kernel: [KH, KW, C_in, C_out].
+      strides: int.
+      padding: 'VALID' or explicit [[0, 0], [top, bottom], [left, right], [0, 0]].
+
+    Returns:
+      [1, H_out, W_out, C_out].
+    """
+    if padding != "VALID":
+        inputs = tf.pad(inputs, padding)
+    kh = kernel.shape[0]
+    out_h = (tf.shape(inputs)[1] - kh) // strides + 1
+    half = (out_h + 1) // 2
+    span = (half - 1) * strides + kh  # the input rows of `half` output rows
+    bottom = (out_h - half) * strides  # the bottom half's first input row; for an odd H_out it repeats a row
+    halves = tf.concat([inputs[:, :span], inputs[:, bottom:bottom + span]], 0)
+    halves = tf.nn.conv2d(halves, kernel, strides, "VALID")  # [2, half, W_out, C_out]
+    outputs = tf.concat([halves[:1, :out_h - half], halves[1:]], 1)
+    rows = None if inputs.shape[1] is None else (inputs.shape[1] - kh) // strides + 1
+    outputs.set_shape([1, rows, halves.shape[2], kernel.shape[3]])
+    return outputs
+
+
+def _forward(inputs, kernel, strides, padding):
+    """The conv, by a faster oneDNN route where a batch of one is possible (module docstring)."""
+    def direct():
+        return tf.nn.conv2d(inputs, kernel, strides, padding)
+
+    if strides == 1 and padding == "SAME" and kernel.shape[0] % 2 == 1 and kernel.shape[1] % 2 == 1:
+        route = lambda: transposed_conv2d(inputs, kernel)  # noqa: E731
+    elif strides > 1 and padding != "SAME":
+        route = lambda: split_conv2d(inputs, kernel, strides, padding)  # noqa: E731
+    else:
+        return direct()
+    if not ONEDNN or inputs.shape[0] not in (1, None):
         return direct()
     if inputs.shape[0] == 1:
-        return transposed_conv2d(inputs, kernel)
-    outputs = tf.cond(tf.shape(inputs)[0] == 1, lambda: transposed_conv2d(inputs, kernel), direct)
-    outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
-    return outputs
+        return route()
+    return tf.cond(tf.shape(inputs)[0] == 1, route, direct)
 
 
 def conv2d(inputs, kernel, strides=1, padding="SAME"):
@@ -101,20 +135,27 @@ def conv2d(inputs, kernel, strides=1, padding="SAME"):
     Returns:
       [B, H_out, W_out, C_out], what tf.nn.conv2d returns.
     """
-    if strides != 1:
-        # The stem's 7x7 over 3 channels would be 49 products of 3 rows each; strided convs are few (the
-        # stem, a group's first block): they keep TensorFlow's kernel gradient.
-        return tf.nn.conv2d(inputs, kernel, strides, padding)
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
     kernel = tf.convert_to_tensor(kernel)
     kernel_shape = tuple(kernel.shape)
+    if strides == 1 and kernel_shape[:2] == (1, 1) and padding == "VALID":
+        padding = "SAME"  # the same conv for a 1x1 kernel, and 'SAME' can take the batch-of-one route
 
     @tf.custom_gradient
     def convolve(x, w):
         def grad(out_grad):
-            input_grad = tf.nn.conv2d_transpose(out_grad, w, tf.shape(x), 1, padding)
-            return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)
+            if strides == 1:
+                input_grad = tf.nn.conv2d_transpose(out_grad, w, tf.shape(x), 1, padding)
+                return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)
+            # Strided convs are few (the stem, a group's first block): TensorFlow's gradients of the conv
+            # itself, whatever route the forward took (measured alone they were faster than
+            # kernel_gradient on strided copies of the input, and than the gradients of split_conv2d).
+            explicit = [] if isinstance(padding, str) else [p for pair in padding for p in pair]
+            conv = dict(strides=[1, strides, strides, 1], padding="EXPLICIT" if explicit else padding,
+                        explicit_paddings=explicit, out_backprop=out_grad)
+            return (tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w, **conv),
+                    tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=tf.shape(w), **conv))
 
-        return _forward(x, w, padding), grad
+        return _forward(x, w, strides, padding), grad
 
     return convolve(inputs, kernel)
