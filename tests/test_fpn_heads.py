@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.model.backbone import ResNet
 from mrcnn_tf2.model.fpn import FPN
-from mrcnn_tf2.model.heads import BoxHead, MaskHead, RPNHead, select_class_masks
+from mrcnn_tf2.model.heads import BoxHead, MaskHead, RPNHead
 
 BATCH, NUM_ROIS, NUM_CLASSES, NUM_ANCHORS = 2, 3, 5, 3
 
@@ -85,28 +85,31 @@ def test_box_head_matches_mlp_reference_per_roi(rng):
 
 
 @pytest.mark.parametrize("side", [14, 7])
-def test_mask_head_doubles_resolution_and_treats_rois_independently(rng, side):
+def test_mask_head_doubles_resolution_and_gives_each_roi_its_class_logits(rng, side):
     rois = rng.normal(size=(BATCH, NUM_ROIS, side, side, 8)).astype(np.float32)
+    classes = rng.integers(0, NUM_CLASSES, size=(BATCH, NUM_ROIS)).astype(np.int32)
     head = MaskHead(NUM_CLASSES, num_filters=8)
-    got = head(rois).numpy()
-    assert got.shape == (BATCH, NUM_ROIS, 2 * side, 2 * side, NUM_CLASSES)
+    got = head((rois, classes)).numpy()
+    assert got.shape == (BATCH, NUM_ROIS, 2 * side, 2 * side)
+    # Reference: the 1x1 logits conv over every class, then each RoI's class channel.
+    x = rois.reshape((-1, side, side, 8))
+    for conv in head.convs:
+        x = conv(x)
+    x = head.deconv(x).numpy().reshape((BATCH, NUM_ROIS, 2 * side, 2 * side, 8))
+    every_class = np.einsum("bnyxc,ck->bnyxk", x, head.logits.kernel.numpy()[0, 0]) + head.logits.bias.numpy()
+    want = np.take_along_axis(every_class, classes[:, :, None, None, None], axis=4)[..., 0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     for b in range(BATCH):
         for n in range(NUM_ROIS):
-            np.testing.assert_allclose(got[b, n], head(rois[b:b + 1, n:n + 1]).numpy()[0, 0], rtol=1e-4, atol=1e-6)
+            alone = head((rois[b:b + 1, n:n + 1], classes[b:b + 1, n:n + 1])).numpy()[0, 0]
+            np.testing.assert_allclose(got[b, n], alone, rtol=1e-4, atol=1e-6)
 
 
 def test_heads_reject_features_without_roi_axis():
     with pytest.raises(ValueError, match="BoxHead"):
         BoxHead(NUM_CLASSES)(tf.zeros([NUM_ROIS, 7, 7, 4]))
     with pytest.raises(ValueError, match="MaskHead"):
-        MaskHead(NUM_CLASSES)(tf.zeros([NUM_ROIS, 14, 14, 4]))
-
-
-def test_select_class_masks_matches_indexing(rng):
-    logits = rng.normal(size=(BATCH, NUM_ROIS, 4, 4, NUM_CLASSES)).astype(np.float32)
-    classes = rng.integers(0, NUM_CLASSES, size=(BATCH, NUM_ROIS)).astype(np.int32)
-    want = np.stack([np.stack([logits[b, n, :, :, classes[b, n]] for n in range(NUM_ROIS)]) for b in range(BATCH)])
-    np.testing.assert_array_equal(select_class_masks(logits, classes).numpy(), want)
+        MaskHead(NUM_CLASSES)((tf.zeros([NUM_ROIS, 14, 14, 4]), tf.zeros([NUM_ROIS], tf.int32)))
 
 
 def build_stack(**backbone_kwargs):
@@ -126,7 +129,8 @@ def run_stack(stack, images, training):
     outputs = dict(stack["rpn_head"](features, training=training))
     box_rois = tf.tile(p2[:, None, :7, :7], [1, NUM_ROIS, 1, 1, 1])
     outputs.update(stack["box_head"](box_rois, training=training))
-    outputs["mask_logits"] = stack["mask_head"](p2[:, None, :14, :14], training=training)
+    classes = tf.ones([tf.shape(p2)[0], 1], tf.int32)
+    outputs["mask_logits"] = stack["mask_head"]((p2[:, None, :14, :14], classes), training=training)
     return features, outputs
 
 
@@ -137,7 +141,8 @@ def test_config_round_trip(rng, name):
     features, _ = run_stack(stack, images, training=False)
     inputs = {"backbone": images, "fpn": stack["backbone"](images), "rpn_head": features,
               "box_head": rng.normal(size=(1, NUM_ROIS, 7, 7, 16)).astype(np.float32),
-              "mask_head": rng.normal(size=(1, NUM_ROIS, 14, 14, 16)).astype(np.float32)}[name]
+              "mask_head": (rng.normal(size=(1, NUM_ROIS, 14, 14, 16)).astype(np.float32),
+                            rng.integers(0, NUM_CLASSES, size=(1, NUM_ROIS)).astype(np.int32))}[name]
     layer = stack[name]
     layer(inputs)
     rebuilt = type(layer).from_config(layer.get_config())

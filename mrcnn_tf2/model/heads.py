@@ -144,6 +144,30 @@ class BoxHead(TracksSublayers, keras.layers.Layer):
         return config
 
 
+class ClassMaskLogits(Conv2D):
+    """The mask head's 1x1 logits conv (kernel [1, 1, C, K]) applied to one class column per RoI.
+
+    A Conv2D for its weights (the per-class conv's, as checkpoints hold them) and for its own dtype policy
+    (float32 logits under mixed precision).
+
+    call((features [N, R, R, C], classes [N] int in [0, K))) -> [N, R, R] logits of each RoI's class.
+    """
+
+    def build(self, input_shape):
+        """input_shape: the features' [N, R, R, C]."""
+        super().build(input_shape)
+        self.input_spec = None  # Conv2D's spec admits one input; call takes (features, classes)
+
+    def call(self, inputs):
+        features, classes = inputs
+        # Selected by one-hot products, not gathers: dense gradients, which the optimizer, gradient
+        # accumulation and the allreduce take as they take every other one (a gather's are IndexedSlices).
+        one_hot = tf.one_hot(tf.cast(classes, tf.int32), self.filters, dtype=features.dtype)  # [N, K]
+        kernel = tf.matmul(self.kernel[0, 0], one_hot, transpose_b=True)  # [C, N]
+        bias = tf.linalg.matvec(one_hot, self.bias)  # [N]
+        return tf.einsum("nyxc,cn->nyx", features, kernel) + bias[:, None, None]
+
+
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
 class MaskHead(TracksSublayers, keras.layers.Layer):
     """Mask head: num_convs 3x3 convs (ReLU), a 2x2 stride-2 transposed conv (ReLU), 1x1 class logits.
@@ -153,10 +177,13 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
       num_filters: width of the convs and the transposed conv.
       num_convs: number of 3x3 convs.
 
-    call(roi_features, training=None):
+    call((roi_features, classes), training=None):
       roi_features: [B, N, S, S, C] RoIAlign output (S = 14 in Mask R-CNN).
-      Returns [B, N, 2S, 2S, K] float32 mask logits of every class; `select_class_masks` picks one.
-      Reshape trail: [B, N, S, S, C] -> [B*N, S, S, C] -> convs -> [B*N, 2S, 2S, K] -> [B, N, 2S, 2S, K].
+      classes: [B, N] int32 in [0, K): the class whose mask each RoI needs (padded slots may use 0).
+      Returns [B, N, 2S, 2S] float32 mask logits of each RoI's class. The 1x1 logits conv ([1, 1, C, K],
+      the `mask_logits` layer's weights) is applied to that class's column alone: training and inference
+      only ever read one class's mask, and all K channels cost K times the reads and products.
+      Reshape trail: [B, N, S, S, C] -> [B*N, S, S, C] -> convs -> [B*N, 2S, 2S, C] -> [B, N, 2S, 2S].
     """
 
     def __init__(self, num_classes, num_filters=256, num_convs=4, **kwargs):
@@ -174,44 +201,34 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
         )
         # Small logits at the start (mask loss ~ log 2), whatever the number of classes: He init with
         # fan_out = K would give logits of std ~ sqrt(2 / K) times the activations.
-        self.logits = Conv2D(num_classes, 1, dtype="float32", name="mask_logits",
-                             kernel_initializer=_normal(MASK_LOGITS_INIT_STDDEV), bias_initializer="zeros")
+        self.logits = ClassMaskLogits(num_classes, 1, dtype="float32", name="mask_logits",
+                                      kernel_initializer=_normal(MASK_LOGITS_INIT_STDDEV),
+                                      bias_initializer="zeros")
 
     def build(self, input_shape):
-        if len(input_shape) != 5:
-            raise ValueError(f"MaskHead expects RoI features [B, N, S, S, C], got shape {tuple(input_shape)}")
-        shape = (None,) + tuple(input_shape[2:])
+        feature_shape = input_shape[0]
+        if len(feature_shape) != 5:
+            raise ValueError(f"MaskHead expects RoI features [B, N, S, S, C], got shape {tuple(feature_shape)}")
+        shape = (None,) + tuple(feature_shape[2:])
         for conv in self.convs:
             conv.build(shape)
             shape = shape[:-1] + (self.num_filters,)
         self.deconv.build(shape)
         self.logits.build((None, 2 * shape[1], 2 * shape[2], self.num_filters))
 
-    def call(self, roi_features, training=None):
+    def call(self, inputs, training=None):
+        roi_features, classes = inputs
         batch, num_rois = _batch_and_rois(roi_features)
         x = tf.reshape(roi_features, [-1] + list(roi_features.shape[2:]))
         for conv in self.convs:
             x = conv(x)
-        x = self.logits(self.deconv(x))
+        x = self.logits((self.deconv(x), tf.reshape(classes, [-1])))
         return tf.reshape(x, [batch, num_rois] + list(x.shape[1:]))
 
     def get_config(self):
         config = super().get_config()
         config.update(num_classes=self.num_classes, num_filters=self.num_filters, num_convs=self.num_convs)
         return config
-
-
-def select_class_masks(mask_logits, classes):
-    """Each RoI's mask for its class.
-
-    Args:
-      mask_logits: [B, N, S, S, K] mask logits of every class.
-      classes: [B, N] int32 in [0, K) (padded slots may use 0, the background channel).
-
-    Returns:
-      [B, N, S, S] mask_logits[b, n, :, :, classes[b, n]], same dtype as mask_logits.
-    """
-    return tf.gather(mask_logits, tf.cast(classes, tf.int32), axis=4, batch_dims=2)
 
 
 def _batch_and_rois(roi_features):

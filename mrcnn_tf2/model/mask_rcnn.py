@@ -8,7 +8,6 @@ import keras
 import tensorflow as tf
 
 from mrcnn_tf2.model import losses as loss_fns
-from mrcnn_tf2.model.heads import select_class_masks
 from mrcnn_tf2.model.tracking import TracksSublayers
 
 # RoIs are pooled from P2..P5 (Mask R-CNN's level rule never reaches P6, which only feeds the RPN).
@@ -124,9 +123,9 @@ class MaskRCNN(TracksSublayers, keras.Model):
         fg_rois = sample["rois"][:, fg]
         fg_classes = sample["class_targets"][:, fg]
         fg_gt = sample["matched_gt_indices"][:, fg]
-        mask_logits = self._dense(self.mask_head, self.mask_roi_aligner(roi_maps, fg_rois), training)
+        mask_features = self.mask_roi_aligner(roi_maps, fg_rois)
         return {
-            "mask_logits": select_class_masks(mask_logits, fg_classes),
+            "mask_logits": self._dense(self.mask_head, (mask_features, fg_classes), training),
             "mask_targets": self.mask_target_generator(
                 fg_rois, sample["matched_gt_boxes"][:, fg], tf.gather(inputs["gt_masks"], fg_gt, batch_dims=1)
             ),
@@ -169,9 +168,9 @@ class MaskRCNN(TracksSublayers, keras.Model):
         detections = self.detection_generator(heads["class_logits"], heads["box_deltas"], proposals["rois"], image_hw)
         boxes = detections["detection_boxes"]  # pixels of the padded input
         if self.mask_head is not None:
-            mask_logits = self._dense(self.mask_head, self.mask_roi_aligner(roi_maps, boxes), False)
-            class_logits = select_class_masks(mask_logits, detections["detection_classes"])
-            detections["detection_masks"] = tf.sigmoid(tf.cast(class_logits, tf.float32))
+            mask_features = self.mask_roi_aligner(roi_maps, boxes)
+            mask_logits = self._dense(self.mask_head, (mask_features, detections["detection_classes"]), False)
+            detections["detection_masks"] = tf.sigmoid(mask_logits)
         detections["detection_boxes"] = boxes * image_info[:, 2, None, None]
         return detections
 
