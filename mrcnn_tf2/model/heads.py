@@ -173,7 +173,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
     """Mask head: num_convs 3x3 convs (ReLU), a 2x2 stride-2 transposed conv (ReLU), 1x1 class logits.
 
     Args:
-      num_classes: K, background included (its channel is predicted but never selected).
+      num_classes: K, background included (its logits column is read only for padded slots).
       num_filters: width of the convs and the transposed conv.
       num_convs: number of 3x3 convs.
 

