@@ -64,18 +64,21 @@ def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size():
     np.testing.assert_allclose(kernel_grad(x).numpy(), tape.gradient(loss, w).numpy(), rtol=1e-4, atol=1e-3)
 
 
-def test_keras_layer_trains_like_keras_conv2d():
-    """The model's Conv2D layer: same outputs and variable gradients as keras.layers.Conv2D's."""
-    x = tf.constant(np.random.default_rng(1).normal(size=(2, 8, 8, 3)), tf.float32)
-    ours, theirs = Conv2D(4, 3, padding="same", activation="relu"), keras.layers.Conv2D(4, 3, padding="same",
-                                                                                        activation="relu")
+@pytest.mark.parametrize("kernel_size,activation,residual", [(3, "relu", False), (1, None, True)])
+def test_keras_layer_trains_like_keras_conv2d(kernel_size, activation, residual):
+    """The model's Conv2D layer: same outputs and variable gradients as keras.layers.Conv2D's (+ residual)."""
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(2, 8, 8, 3)), tf.float32)
+    r = tf.constant(rng.normal(size=(2, 8, 8, 4)), tf.float32) if residual else None
+    ours, theirs = (layer(4, kernel_size, padding="same", activation=activation)
+                    for layer in (Conv2D, keras.layers.Conv2D))
     ours.build(x.shape)
     theirs.build(x.shape)
     theirs.set_weights(ours.get_weights())
     results = []
-    for layer in (ours, theirs):
+    for layer, call in ((ours, lambda: ours(x, r)), (theirs, lambda: theirs(x) if r is None else theirs(x) + r)):
         with tf.GradientTape() as tape:
-            y = layer(x)
+            y = call()
             loss = tf.reduce_sum(y * y)
         results.append([y, *tape.gradient(loss, [v.value for v in layer.trainable_variables])])
     for got, want in zip(*results):
@@ -97,6 +100,8 @@ def test_transposed_conv2d_is_the_conv(kernel_size):
     (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]], 9),  # odd output height: the halves share a row
     (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]], 8),
     (1, 2, "VALID", 10),
+    (1, 2, "VALID", 12),  # the halves are a reshape of the rows
+    (1, 3, "VALID", 12),
     (7, 2, [[0, 0], [3, 3], [3, 3], [0, 0]], 15),
     (3, 1, "VALID", 2),  # a single output row
 ])
@@ -114,17 +119,35 @@ def test_split_conv2d_is_the_conv(kernel_size, stride, padding, height):
 @pytest.mark.parametrize("kernel_size,stride,padding", [
     (3, 1, "SAME"), (1, 1, "VALID"), (3, 2, [[0, 0], [1, 1], [1, 1], [0, 0]]), (1, 2, "VALID")])
 def test_conv2d_with_the_onednn_route(monkeypatch, kernel_size, stride, padding):
-    """conv2d as it runs under oneDNN: static and dynamic batches of one and of two, output and gradients."""
+    """conv2d's block (conv, bias, residual, ReLU) as it runs under oneDNN: static and dynamic batches of one
+    and of two, odd and even heights (a 1x1 conv folds an even one into the batch); output and gradients."""
     monkeypatch.setattr(conv_ops, "ONEDNN", True)
     rng = np.random.default_rng(3)
     w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
-    conv = lambda x, w: conv_ops.conv2d(x, w, stride, padding)  # noqa: E731
-    dynamic = tf.function(lambda x, w: _gradients(conv, x, w, 1.0),
-                          input_signature=[tf.TensorSpec([None, None, None, 5]), tf.TensorSpec(w.shape)])
+    b = tf.constant(rng.normal(size=4), tf.float32)
+
+    def gradients(conv, x, residual):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w, b, residual])
+            y = conv(x, w, b, residual)
+            loss = tf.reduce_sum(y * tf.cos(y))  # an upstream gradient that varies by element
+        return (y, *tape.gradient(loss, [x, w, b, residual]))
+
+    def block(x, w, b, residual):
+        return conv_ops.conv2d(x, w, stride, padding, bias=b, residual=residual, relu=True)
+
+    def reference(x, w, b, residual):
+        return tf.nn.relu(tf.nn.conv2d(x, w, stride, padding) + b + residual)
+
+    spec = tf.TensorSpec([None, None, None, None])
+    dynamic = tf.function(lambda x, r: gradients(block, x, r), input_signature=[spec, spec])
     for batch in (1, 2):
-        x = tf.constant(rng.normal(size=(batch, 9, 7, 5)), tf.float32)
-        expected = _gradients(lambda x, w: tf.nn.conv2d(x, w, stride, padding), x, w, 1.0)
-        for got in (_gradients(conv, x, w, 1.0), dynamic(x, w)):
-            for want, value in zip(expected, got):
-                assert value.shape == want.shape
-                np.testing.assert_allclose(value.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+        for height in (9, 10):
+            x = tf.constant(rng.normal(size=(batch, height, 7, 5)), tf.float32)
+            r = tf.constant(rng.normal(size=tf.nn.conv2d(x, w, stride, padding).shape), tf.float32)
+            expected = gradients(reference, x, r)
+            static = tf.function(lambda x, r: gradients(block, x, r))
+            for got in (gradients(block, x, r), static(x, r), dynamic(x, r)):
+                for name, want, value in zip(("output", "x", "kernel", "bias", "residual"), expected, got):
+                    assert value.shape == want.shape, name
+                    np.testing.assert_allclose(value.numpy(), want.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)

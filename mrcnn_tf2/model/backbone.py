@@ -52,10 +52,17 @@ def he_normal_fan_out():
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
 class Conv2D(keras.layers.Conv2D):
-    """keras.layers.Conv2D (NHWC, equal strides, no dilation) whose kernel gradient is conv_ops.conv2d's."""
+    """keras.layers.Conv2D (NHWC, equal strides, no dilation) computed by conv_ops.conv2d.
 
-    def convolution_op(self, inputs, kernel):
-        return conv_ops.conv2d(inputs, kernel, self.strides[0], self.padding.upper())
+    call(inputs [B, H, W, C_in], residual=None) -> [B, H_out, W_out, filters]; `residual` (that shape) is
+    added before the activation, in the block oneDNN fuses (the FPN's top-down sum).
+    """
+
+    def call(self, inputs, residual=None):
+        relu = self.activation is keras.activations.relu
+        outputs = conv_ops.conv2d(inputs, self.kernel, self.strides[0], self.padding.upper(),
+                                  bias=self.bias if self.use_bias else None, residual=residual, relu=relu)
+        return outputs if relu or self.activation is None else self.activation(outputs)
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
@@ -101,20 +108,19 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
 
     def call(self, inputs, residual=None, training=None):
         x = tf.cast(inputs, self.compute_dtype)
+        if residual is not None:
+            residual = tf.cast(residual, self.compute_dtype)
         kernel = self.conv.kernel
         if training and self.bn.trainable:
-            x = self.bn(self._convolve(x, tf.cast(kernel, self.compute_dtype)), training=True)
-        else:
-            scale = self.bn.gamma * tf.math.rsqrt(self.bn.moving_variance + self.bn.epsilon)
-            bias = self.bn.beta - self.bn.moving_mean * scale
-            x = self._convolve(x, tf.cast(kernel * scale, self.compute_dtype))
-            x = tf.nn.bias_add(x, tf.cast(bias, self.compute_dtype))
-        if residual is not None:
-            x = x + tf.cast(residual, self.compute_dtype)
-        return tf.nn.relu(x) if self.relu else x
-
-    def _convolve(self, x, kernel):
-        return conv_ops.conv2d(x, kernel, self.strides, self._padding)
+            x = self.bn(conv_ops.conv2d(x, tf.cast(kernel, self.compute_dtype), self.strides, self._padding),
+                        training=True)
+            if residual is not None:
+                x = x + residual
+            return tf.nn.relu(x) if self.relu else x
+        scale = self.bn.gamma * tf.math.rsqrt(self.bn.moving_variance + self.bn.epsilon)
+        bias = self.bn.beta - self.bn.moving_mean * scale
+        return conv_ops.conv2d(x, tf.cast(kernel * scale, self.compute_dtype), self.strides, self._padding,
+                               bias=tf.cast(bias, self.compute_dtype), residual=residual, relu=self.relu)
 
     def get_config(self):
         config = super().get_config()

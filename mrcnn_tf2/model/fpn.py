@@ -84,8 +84,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
         top_down = None
         outputs = {}
         for level in range(BACKBONE_MAX_LEVEL, self.min_level - 1, -1):
-            lateral = self.lateral[level](features[level])
-            top_down = lateral if top_down is None else lateral + upsample2x(top_down)
+            top_down = self.lateral[level](features[level], None if top_down is None else upsample2x(top_down))
             outputs[level] = self.output_convs[level](top_down)
         for level in range(BACKBONE_MAX_LEVEL + 1, self.max_level + 1):
             outputs[level] = outputs[level - 1][:, ::2, ::2, :]
