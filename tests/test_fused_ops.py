@@ -17,6 +17,7 @@ from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import build_model
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
+from mrcnn_tf2.ops import conv as conv_ops
 from tests.test_anchors import VARIED_GT, flatten, make_gt, np_label_anchors
 from tests.test_anchors import IMAGE_SIZE as ANCHOR_IMAGE_SIZE
 from tests.test_anchors import anchors as rpn_anchors  # noqa: F401 (a fixture)
@@ -104,6 +105,55 @@ def test_factory_passes_the_choice_to_the_stages():
         stages = (model.proposal_generator, model.box_roi_aligner, model.mask_roi_aligner,
                   model.mask_target_generator)
         assert [stage.fused for stage in stages] == [want] * len(stages)
+        # The convs' fused ops would be inside the layers that --xla compiles: off there.
+        convs = (model.backbone, model.backbone.groups[0][0].convs[1], model.fpn, model.fpn.output_convs[2],
+                 model.rpn_head.conv, model.mask_head.convs[0])
+        assert [layer.fused for layer in convs] == [want and not xla] * len(convs)
+
+
+# -- 3x3 convolution (Winograd) ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, out_channels", [
+    ((1, 9, 13, 5), 7),  # sides not multiples of the 4x4 output block
+    ((2, 8, 8, 70), 3),  # channels past one of the kernels' 64-channel blocks
+    ((3, 1, 1, 4), 4),  # one pixel: a block that is almost all padding
+    ((1, 16, 12, 64), 64),
+])
+def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    w = tf.constant(rng.normal(size=(3, 3, shape[3], out_channels)), tf.float32)
+    want = tf.nn.conv2d(x, w, 1, "SAME").numpy()
+    got = fused.conv2d_3x3(x, w)
+    assert got.shape == want.shape
+    # Winograd's rounding: about 1e-5 of the output's scale (the op's documented bound, with margin).
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    dynamic = tf.function(fused.conv2d_3x3, input_signature=[tf.TensorSpec([None, None, None, shape[3]]),
+                                                             tf.TensorSpec(w.shape)])
+    np.testing.assert_array_equal(dynamic(x, w).numpy(), got.numpy())
+
+
+def test_conv2d_with_fused_3x3_keeps_the_gradient(rng):
+    """conv_ops.conv2d(fused=True): the Winograd forward, conv2d's own gradients (those of tf.nn.conv2d)."""
+    x = tf.constant(rng.normal(size=(2, 10, 7, 6)), tf.float32)
+    w = tf.constant(rng.normal(size=(3, 3, 6, 5)), tf.float32)
+    b = tf.constant(rng.normal(size=5), tf.float32)
+    results = []
+    for conv in (lambda: conv_ops.conv2d(x, w, bias=b, relu=True, fused=True),
+                 lambda: tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME") + b)):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w, b])
+            y = conv()
+            loss = tf.reduce_sum(y * tf.cos(y))
+        results.append([y, *tape.gradient(loss, [x, w, b])])
+    for name, got, want in zip(("output", "x", "kernel", "bias"), *results):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4 * np.abs(want).max(),
+                                   err_msg=name)
+
+
+def test_winograd_output_names_a_wrong_tile_count(library):
+    products = tf.zeros([36, 5, 3])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="5 tiles; an output of 1x8x8 has 4"):
+        library.mrcnn_winograd_output(products, tf.constant([1, 8, 8]))
 
 
 # -- RoIAlign ----------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ def build_model(config, export=False):
     """
     model, data = config.model, config.data
     fused = not export and use_fused(config.runtime.custom_ops)
+    # The 3x3 convs' fused ops would sit inside the XLA-compiled layers of --xla, which cannot hold them.
+    fused_convs = fused and not config.runtime.xla
     anchors, rpn, roi = model.anchors, model.rpn, model.roi
     if model.mrcnn_resolution != 2 * MASK_ROI_SIZE:
         raise ValueError(f"mrcnn_resolution {model.mrcnn_resolution}: the mask head outputs {2 * MASK_ROI_SIZE}")
@@ -31,11 +33,14 @@ def build_model(config, export=False):
             stride_in_1x1=model.stride_in_1x1,
             freeze_bn=model.freeze_bn,
             freeze_blocks=tuple(model.freeze_blocks),
+            fused=fused_convs,
         ),
-        fpn=FPN(min_level=anchors.min_level, max_level=anchors.max_level, num_filters=model.fpn_num_filters),
-        rpn_head=RPNHead(num_anchors=model.num_anchors, num_filters=model.fpn_num_filters),
+        fpn=FPN(min_level=anchors.min_level, max_level=anchors.max_level, num_filters=model.fpn_num_filters,
+                fused=fused_convs),
+        rpn_head=RPNHead(num_anchors=model.num_anchors, num_filters=model.fpn_num_filters, fused=fused_convs),
         box_head=BoxHead(num_classes=model.num_classes, mlp_head_dim=model.fast_rcnn_mlp_head_dim),
-        mask_head=(MaskHead(num_classes=model.num_classes, num_filters=model.mrcnn_head_num_filters)
+        mask_head=(MaskHead(num_classes=model.num_classes, num_filters=model.mrcnn_head_num_filters,
+                            fused=fused_convs)
                    if model.include_mask else None),
         proposal_generator=ProposalGenerator(
             train_pre_nms_topn=rpn.train_rpn_pre_nms_topn,

@@ -56,7 +56,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
       compute dtype (levels above 5: ceil of the size below / 2).
     """
 
-    def __init__(self, min_level=2, max_level=6, num_filters=256, **kwargs):
+    def __init__(self, min_level=2, max_level=6, num_filters=256, fused=False, **kwargs):
         super().__init__(**kwargs)
         if not BACKBONE_MIN_LEVEL <= min_level <= BACKBONE_MAX_LEVEL:
             raise ValueError(f"FPN min_level {min_level} must be in [{BACKBONE_MIN_LEVEL}, {BACKBONE_MAX_LEVEL}]")
@@ -65,8 +65,9 @@ class FPN(TracksSublayers, keras.layers.Layer):
         self.min_level = min_level
         self.max_level = max_level
         self.num_filters = num_filters
+        self.fused = fused
         levels = range(min_level, BACKBONE_MAX_LEVEL + 1)
-        conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros")
+        conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros", fused=fused)
         self.lateral = {level: Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
                         for level in levels}
         self.output_convs = {level: Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}", **conv)
@@ -92,5 +93,6 @@ class FPN(TracksSublayers, keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(min_level=self.min_level, max_level=self.max_level, num_filters=self.num_filters)
+        config.update(min_level=self.min_level, max_level=self.max_level, num_filters=self.num_filters,
+                      fused=self.fused)
         return config

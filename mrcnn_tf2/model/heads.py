@@ -52,13 +52,14 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
       generator orders a cell's anchors the same way.
     """
 
-    def __init__(self, num_anchors, num_filters=256, **kwargs):
+    def __init__(self, num_anchors, num_filters=256, fused=False, **kwargs):
         super().__init__(**kwargs)
         self.num_anchors = num_anchors
         self.num_filters = num_filters
+        self.fused = fused
         self.conv = Conv2D(
             num_filters, 3, padding="same", activation="relu", kernel_initializer=_normal(RPN_INIT_STDDEV),
-            bias_initializer="zeros", name="rpn_conv",
+            bias_initializer="zeros", fused=fused, name="rpn_conv",
         )
         self.score_conv = Conv2D(
             num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
@@ -86,7 +87,7 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(num_anchors=self.num_anchors, num_filters=self.num_filters)
+        config.update(num_anchors=self.num_anchors, num_filters=self.num_filters, fused=self.fused)
         return config
 
 
@@ -186,14 +187,15 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
       Reshape trail: [B, N, S, S, C] -> [B*N, S, S, C] -> convs -> [B*N, 2S, 2S, C] -> [B, N, 2S, 2S].
     """
 
-    def __init__(self, num_classes, num_filters=256, num_convs=4, **kwargs):
+    def __init__(self, num_classes, num_filters=256, num_convs=4, fused=False, **kwargs):
         super().__init__(**kwargs)
         self.num_classes = num_classes
         self.num_filters = num_filters
         self.num_convs = num_convs
+        self.fused = fused
         init = dict(kernel_initializer=he_normal_fan_out(), bias_initializer="zeros")
         self.convs = [
-            Conv2D(num_filters, 3, padding="same", activation="relu", name=f"mask_conv{i}", **init)
+            Conv2D(num_filters, 3, padding="same", activation="relu", fused=fused, name=f"mask_conv{i}", **init)
             for i in range(1, num_convs + 1)
         ]
         self.deconv = keras.layers.Conv2DTranspose(
@@ -227,7 +229,8 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(num_classes=self.num_classes, num_filters=self.num_filters, num_convs=self.num_convs)
+        config.update(num_classes=self.num_classes, num_filters=self.num_filters, num_convs=self.num_convs,
+                      fused=self.fused)
         return config
 
 

@@ -26,6 +26,8 @@ Tensors are NHWC; kernels [KH, KW, C_in, C_out].
 import tensorflow as tf
 from tensorflow.python.util import _pywrap_util_port  # the one way to ask whether oneDNN's kernels are on
 
+from mrcnn_tf2.ops import fused as fused_ops
+
 ONEDNN = _pywrap_util_port.IsMklEnabled()
 
 
@@ -118,11 +120,14 @@ def split_conv2d(inputs, kernel, strides, padding):
     return outputs
 
 
-def _forward(inputs, kernel, strides, padding):
-    """The conv, by a faster oneDNN route where a batch of one is possible (module docstring)."""
+def _forward(inputs, kernel, strides, padding, fused):
+    """The conv, by Winograd's fused route or a faster oneDNN route where possible (module docstring)."""
     def direct():
         return tf.nn.conv2d(inputs, kernel, strides, padding)
 
+    if (fused and strides == 1 and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
+            and inputs.dtype == tf.float32):
+        return fused_ops.conv2d_3x3(inputs, kernel)
     if strides == 1 and padding == "SAME" and kernel.shape[0] % 2 == 1 and kernel.shape[1] % 2 == 1:
         route = lambda: transposed_conv2d(inputs, kernel)  # noqa: E731
     elif strides > 1 and padding != "SAME":
@@ -136,7 +141,7 @@ def _forward(inputs, kernel, strides, padding):
     return tf.cond(tf.shape(inputs)[0] == 1, route, direct)
 
 
-def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, relu=False):
+def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, relu=False, fused=False):
     """relu(tf.nn.conv2d(inputs, kernel) + bias + residual) (no dilation), the block oneDNN fuses into one
     kernel; at stride 1 the kernel gradient is `kernel_gradient`.
 
@@ -148,6 +153,8 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
       bias: [C_out] or None.
       residual: [B, H_out, W_out, C_out] or None.
       relu: whether a ReLU ends the block.
+      fused: a float32 3x3 stride-1 'SAME' conv runs Winograd's fused ops (`fused_ops.conv2d_3x3`); the
+        gradient is the same either way.
 
     Returns:
       [B, H_out, W_out, C_out].
@@ -165,14 +172,14 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
                 return tf.reshape(tensor, tf.concat([[2, rows // 2], tf.shape(tensor)[2:]], 0))
 
             outputs = _block(fold(inputs), kernel, 1, padding, bias, None if residual is None else fold(residual),
-                             relu)
+                             relu, fused)
             unfolded = tf.reshape(outputs, tf.concat([[1, rows], tf.shape(outputs)[2:]], 0))
             unfolded.set_shape(inputs.shape[:3] + kernel.shape[3:])
             return unfolded
-    return _block(inputs, kernel, strides, padding, bias, residual, relu)
+    return _block(inputs, kernel, strides, padding, bias, residual, relu, fused)
 
 
-def _block(inputs, kernel, strides, padding, bias, residual, relu):
+def _block(inputs, kernel, strides, padding, bias, residual, relu, fused):
     """conv2d's block, the conv under its custom gradient followed by the ops oneDNN fuses into it."""
     kernel_shape = tuple(kernel.shape)
 
@@ -191,7 +198,7 @@ def _block(inputs, kernel, strides, padding, bias, residual, relu):
             return (tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w, **conv),
                     tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=tf.shape(w), **conv))
 
-        return _forward(x, w, strides, padding), grad
+        return _forward(x, w, strides, padding, fused), grad
 
     outputs = convolve(inputs, kernel)
     if bias is not None:
