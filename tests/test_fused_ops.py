@@ -133,7 +133,7 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
 
 
 def test_conv2d_with_fused_3x3_keeps_the_gradient(rng):
-    """conv_ops.conv2d(fused=True): the Winograd forward, conv2d's own gradients (those of tf.nn.conv2d)."""
+    """conv_ops.conv2d(fused=True): Winograd for the forward and the input gradient; the gradients are tf.nn.conv2d's."""
     x = tf.constant(rng.normal(size=(2, 10, 7, 6)), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, 6, 5)), tf.float32)
     b = tf.constant(rng.normal(size=5), tf.float32)

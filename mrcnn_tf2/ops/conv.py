@@ -120,13 +120,18 @@ def split_conv2d(inputs, kernel, strides, padding):
     return outputs
 
 
+def _winograd(inputs, kernel, strides, padding, fused):
+    """Whether the conv takes Winograd's fused route: a float32 3x3 stride-1 'SAME' conv, fused ops on."""
+    return (fused and strides == 1 and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
+            and inputs.dtype == tf.float32)
+
+
 def _forward(inputs, kernel, strides, padding, fused):
     """The conv, by Winograd's fused route or a faster oneDNN route where possible (module docstring)."""
     def direct():
         return tf.nn.conv2d(inputs, kernel, strides, padding)
 
-    if (fused and strides == 1 and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
-            and inputs.dtype == tf.float32):
+    if _winograd(inputs, kernel, strides, padding, fused):
         return fused_ops.conv2d_3x3(inputs, kernel)
     if strides == 1 and padding == "SAME" and kernel.shape[0] % 2 == 1 and kernel.shape[1] % 2 == 1:
         route = lambda: transposed_conv2d(inputs, kernel)  # noqa: E731
@@ -186,6 +191,11 @@ def _block(inputs, kernel, strides, padding, bias, residual, relu, fused):
     @tf.custom_gradient
     def convolve(x, w):
         def grad(out_grad):
+            if _winograd(x, w, strides, padding, fused):
+                # The input gradient of a 3x3 'SAME' conv is the conv of the kernel flipped in space with
+                # its channels swapped: Winograd's route too.
+                flipped = tf.transpose(tf.reverse(w, [0, 1]), [0, 1, 3, 2])
+                return fused_ops.conv2d_3x3(out_grad, flipped), kernel_gradient(x, out_grad, kernel_shape, padding)
             if strides == 1:
                 input_grad = tf.nn.conv2d_transpose(out_grad, w, tf.shape(x), 1, padding)
                 return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)
