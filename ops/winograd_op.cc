@@ -133,7 +133,9 @@ class WinogradInputOp : public OpKernel {
           }
           // Down each column of the tile, rows[xi][j] = sum_i B^T[xi][i] d[i][j]; then along each row,
           // V[xi][nu] = sum_j rows[xi][j] B^T[nu][j], straight into the output's point planes.
-          for (int j = 0; j < kTile; ++j) InputRows(d[j], kTile * kChannelBlock, rows[j], kTile * kChannelBlock, n);
+          for (int j = 0; j < kTile; ++j) {
+            InputRows(d[j], kTile * kChannelBlock, rows[j], kTile * kChannelBlock, n);
+          }
           for (int xi = 0; xi < kTile; ++xi) {
             InputRows(rows[xi * kTile], kChannelBlock, tiles + xi * kTile * point_stride + t * channels + c0,
                       point_stride, n);
@@ -156,6 +158,8 @@ class WinogradOutputOp : public OpKernel {
     OP_REQUIRES(context, size.dims() == 1 && size.dim_size(0) == 3,
                 InvalidArgument("size must be [3] (B, H, W), got ", size.shape().DebugString()));
     const auto dims = size.vec<int32_t>();
+    OP_REQUIRES(context, dims(0) >= 0 && dims(1) >= 0 && dims(2) >= 0,
+                InvalidArgument("size must be >= 0, got ", dims(0), "x", dims(1), "x", dims(2)));
     const Grid grid = MakeGrid(dims(0), dims(1), dims(2));
     const int64_t channels = products_tensor.dim_size(2);
     OP_REQUIRES(context, products_tensor.dim_size(1) == grid.tiles(),
@@ -183,7 +187,9 @@ class WinogradOutputOp : public OpKernel {
             OutputRows(products + nu * point_stride + t * channels + c0, kTile * point_stride, rows[nu],
                        kTile * kChannelBlock, n);
           }
-          for (int i = 0; i < kBlock; ++i) OutputRows(rows[i * kTile], kChannelBlock, block[i * kBlock], kChannelBlock, n);
+          for (int i = 0; i < kBlock; ++i) {
+            OutputRows(rows[i * kTile], kChannelBlock, block[i * kBlock], kChannelBlock, n);
+          }
           for (int i = 0; i < kBlock && y0 + i < grid.height; ++i) {
             for (int j = 0; j < kBlock && x0 + j < grid.width; ++j) {
               std::memcpy(output + ((b * grid.height + y0 + i) * grid.width + x0 + j) * channels + c0,

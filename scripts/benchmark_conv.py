@@ -5,9 +5,11 @@
 
 Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RPN head's conv on P2 of an
 832x1344 batch of 2): the forward conv, the input gradient, TensorFlow's kernel gradient
-(Conv2DBackpropFilter) and mrcnn_tf2.ops.conv.kernel_gradient, in milliseconds (median of --repeats after
-one warm-up) and GFLOP/s, and checks that the two kernel gradients agree. TensorFlow reads
-TF_ENABLE_ONEDNN_OPTS once, at import: run the script once per setting to compare them.
+(Conv2DBackpropFilter), mrcnn_tf2.ops.conv.kernel_gradient, and the forward by Winograd's fused ops
+(mrcnn_tf2.ops.fused.conv2d_3x3; the input gradient takes the same route with the flipped kernel), in
+milliseconds (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and checks that
+the two kernel gradients and the two forwards agree. TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, at
+import: run the script once per setting to compare them.
 """
 import argparse
 import os
@@ -21,6 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from mrcnn_tf2.ops import conv as conv_ops  # noqa: E402
+from mrcnn_tf2.ops import fused as fused_ops  # noqa: E402
 
 
 def main():
@@ -41,15 +44,19 @@ def main():
         "kernel gradient, TensorFlow": lambda: tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=kernel_shape, out_backprop=out_grad, strides=strides, padding="SAME"),
         "kernel gradient, matrix products": lambda: conv_ops.kernel_gradient(x, out_grad, kernel_shape, "SAME"),
+        "forward, Winograd (fused ops)": lambda: fused_ops.conv2d_3x3(x, kernel),
     }
     kernels = {name: tf.function(fn) for name, fn in kernels.items()}
     ours = kernels["kernel gradient, matrix products"]().numpy()
     theirs = kernels["kernel gradient, TensorFlow"]().numpy()
     error = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    direct = kernels["forward"]().numpy()
+    winograd_error = np.abs(kernels["forward, Winograd (fused ops)"]().numpy() - direct).max() / np.abs(direct).max()
     gflop = 2.0 * batch * height * width * 9 * channels * channels / 1e9
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
     print(f"3x3 conv {channels}->{channels} on [{batch}, {height}, {width}, {channels}]: {gflop:.1f} GFLOP per kernel, "
-          f"TF_ENABLE_ONEDNN_OPTS={onednn}; kernel gradients differ by {error:.1e} of the largest")
+          f"TF_ENABLE_ONEDNN_OPTS={onednn}; kernel gradients differ by {error:.1e} of the largest, "
+          f"forwards by {winograd_error:.1e}")
     for name, fn in kernels.items():
         fn().numpy()
         times = []

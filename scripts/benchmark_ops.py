@@ -5,7 +5,8 @@
 Prints one row per op: the median milliseconds of the twin and of the fused op, and the speed-up. The two
 run alternately, repeat after repeat, so that load from other jobs on a shared machine hits both alike;
 the median then drops the outliers. Sizes: an 832x1344 input, FPN P2..P5 with 256 channels, batch 2 (the
-seeds' training set-up); the train step is a small ResNet-18 at 256x256, batch 4.
+seeds' training set-up); the train step is a small ResNet-18 at 256x256, batch 4. The 3x3 conv rows
+compare conv_ops.conv2d's Winograd route with its route when the ops are off, under oneDNN as main.py runs.
 """
 import argparse
 import os
@@ -13,6 +14,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as main.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
@@ -20,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from mrcnn_tf2.evaluation import coco_metrics  # noqa: E402
 from mrcnn_tf2.ops import anchors as anchor_ops  # noqa: E402
+from mrcnn_tf2.ops import conv as conv_ops  # noqa: E402
 from mrcnn_tf2.ops import fused, masks, roi_align, roi_ops  # noqa: E402
 
 IMAGE_SIZE = (832, 1344)
@@ -126,6 +129,29 @@ def paste_case(rng):
             lambda: fused.encode_pasted_masks(probs, boxes, (800, 1333), 0.5))
 
 
+def conv_cases(rng):
+    """The model's 3x3 256->256 convs: FPN/RPN on P2 (forward at batch 1 and 2, with gradients at batch 2)
+    and the mask head's over 100 RoIs."""
+    kernel = tf.constant(rng.normal(scale=0.03, size=(3, 3, CHANNELS, CHANNELS)).astype(np.float32))
+    cases = []
+    for name, shape, backward in [
+            ("3x3 conv 256->256 on P2, batch 1, fwd", (1, 208, 336), False),
+            ("3x3 conv 256->256 on P2, batch 2, fwd", (BATCH, 208, 336), False),
+            ("3x3 conv 256->256 on P2, batch 2, fwd+bwd", (BATCH, 208, 336), True),
+            ("3x3 conv 256->256, 100 RoIs 14x14, fwd", (100, 14, 14), False)]:
+        x = tf.constant(rng.normal(size=shape + (CHANNELS,)).astype(np.float32))
+
+        def make(on, x=x, backward=backward):
+            def run():
+                with tf.GradientTape() as tape:
+                    tape.watch([x, kernel])
+                    y = conv_ops.conv2d(x, kernel, fused=on)
+                return tape.gradient(y, [x, kernel], output_gradients=y) if backward else y
+            return tf.function(run)
+        cases.append((name, make(False), make(True)))
+    return cases
+
+
 def train_step_case(rng):
     """One train step of ResNet-18 at 256x256, batch 4 (default RPN/RoI settings), ops off vs on."""
     import keras
@@ -175,6 +201,7 @@ def main():
     fused.load_library()  # fail here, clearly, when the library is not built
     rng = np.random.default_rng(0)
     cases = roi_align_cases(rng) + [proposal_case(rng), mask_target_case(rng), rpn_target_case(rng), paste_case(rng)]
+    cases += conv_cases(rng)
     cases = [case for case in cases if args.only in case[0]]
     if not args.no_train_step and args.only in TRAIN_STEP_NAME:
         cases.append(train_step_case(rng))

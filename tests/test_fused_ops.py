@@ -132,8 +132,9 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
     np.testing.assert_array_equal(dynamic(x, w).numpy(), got.numpy())
 
 
-def test_conv2d_with_fused_3x3_keeps_the_gradient(rng):
-    """conv_ops.conv2d(fused=True): Winograd for the forward and the input gradient; the gradients are tf.nn.conv2d's."""
+def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
+    """conv_ops.conv2d(fused=True): Winograd for the forward and the input gradient; tf.nn.conv2d's values."""
+    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # the route at this small size too
     x = tf.constant(rng.normal(size=(2, 10, 7, 6)), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, 6, 5)), tf.float32)
     b = tf.constant(rng.normal(size=5), tf.float32)
@@ -148,6 +149,24 @@ def test_conv2d_with_fused_3x3_keeps_the_gradient(rng):
     for name, got, want in zip(("output", "x", "kernel", "bias"), *results):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4 * np.abs(want).max(),
                                    err_msg=name)
+
+
+def test_conv2d_takes_winograd_only_where_it_pays(monkeypatch):
+    """Float32 3x3 stride-1 'SAME' convs of at least WINOGRAD_MIN_TILES 4x4 blocks, or of unknown size."""
+    calls = []
+    monkeypatch.setattr(fused, "conv2d_3x3", lambda x, w: calls.append(x.shape) or tf.nn.conv2d(x, w, 1, "SAME"))
+    kernel = tf.zeros([3, 3, 2, 2])
+    blocks = conv_ops.WINOGRAD_MIN_TILES
+    big, small = tf.zeros([blocks, 4, 4, 2]), tf.zeros([blocks - 1, 4, 4, 2])
+    conv_ops.conv2d(big, kernel, fused=True)
+    for args, kwargs in [((small, kernel), {}), ((big, kernel), {"fused": False}),
+                         ((big, kernel, 1, "VALID"), {}), ((big[:, :3], kernel, 2), {}),
+                         ((tf.cast(big, tf.bfloat16), tf.cast(kernel, tf.bfloat16)), {}),
+                         ((big, tf.zeros([1, 1, 2, 2])), {})]:
+        conv_ops.conv2d(*args, **{"fused": True, **kwargs})
+    tf.function(lambda x: conv_ops.conv2d(x, kernel, fused=True),
+                input_signature=[tf.TensorSpec([None, 4, 4, 2])]).get_concrete_function()
+    assert calls == [big.shape, tf.TensorShape([None, 4, 4, 2])]
 
 
 def test_winograd_output_names_a_wrong_tile_count(library):

@@ -167,7 +167,8 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
         else:
             specs = [(filters, 3, strides), (filters, 3, 1)]
         # The last conv's ReLU comes after the shortcut is added (ConvBN's `residual`).
-        self.convs = [ConvBN(f, k, s, fused=fused, name=f"{self.name}_{i}") for i, (f, k, s) in enumerate(specs, 1)]
+        self.convs = [ConvBN(f, k, s, fused=fused, name=f"{self.name}_{i}")
+                      for i, (f, k, s) in enumerate(specs, 1)]
         self.shortcut = (ConvBN(out_filters, 1, strides, relu=False, fused=fused, name=f"{self.name}_0")
                          if projection else None)
 

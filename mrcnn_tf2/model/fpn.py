@@ -48,6 +48,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
       min_level: finest output level, in [2, 5].
       max_level: coarsest output level, >= 5; levels above 5 are stride-2 subsamplings.
       num_filters: width of every output map.
+      fused: the 3x3 output convs run Winograd's fused ops (conv_ops.conv2d).
 
     call(features, training=None):
       features: {level: [B, H / 2**level, W / 2**level, C_level]} for levels min_level..5 (others ignored);

@@ -43,6 +43,7 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
     Args:
       num_anchors: A, anchors per feature-map cell.
       num_filters: width of the shared 3x3 conv.
+      fused: that conv runs Winograd's fused ops (conv_ops.conv2d).
 
     call(features, training=None):
       features: {level: [B, H_l, W_l, C]} FPN maps.
@@ -177,6 +178,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
       num_classes: K, background included (its logits column is read only for padded slots).
       num_filters: width of the convs and the transposed conv.
       num_convs: number of 3x3 convs.
+      fused: they run Winograd's fused ops (conv_ops.conv2d).
 
     call((roi_features, classes), training=None):
       roi_features: [B, N, S, S, C] RoIAlign output (S = 14 in Mask R-CNN).

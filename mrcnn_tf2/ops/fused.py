@@ -18,6 +18,7 @@ import os
 import threading
 import warnings
 
+import numpy as np
 import tensorflow as tf
 from pycocotools import mask as mask_utils
 
@@ -220,9 +221,11 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 # -- 3x3 convolution by Winograd's F(4x4, 3x3) ---------------------------------------------------------------
 
 # Its kernel transform G (6 x 3), Lavin & Gray (2015); the pixels' transforms B^T and A^T are in
-# ops/winograd_op.cc.
-_WINOGRAD_G = ((1 / 4, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
-               (1 / 24, -1 / 12, 1 / 6), (0, 0, 1))
+# ops/winograd_op.cc. U = G g G^T for every channel pair is one matrix product with kron(G, G) (36 x 9):
+# U[6a + b] = sum over taps (i, j) of G[a, i] G[b, j] g[i, j].
+_WINOGRAD_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
+                        [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])
+_WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
 
 
 def conv2d_3x3(inputs, kernel):
@@ -240,8 +243,9 @@ def conv2d_3x3(inputs, kernel):
       [B, H, W, C_out] float32.
     """
     library = load_library()
-    g = tf.constant(_WINOGRAD_G, tf.float32)
-    transformed = tf.reshape(tf.einsum("ai,ijco,bj->abco", g, kernel, g), [36, kernel.shape[2], kernel.shape[3]])
+    _, _, in_channels, out_channels = kernel.shape
+    transformed = tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])),
+                             [36, in_channels, out_channels])
     products = tf.matmul(library.mrcnn_winograd_input(inputs), transformed)  # [36, T, C_out]
     outputs = library.mrcnn_winograd_output(products, tf.shape(inputs)[:3])
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
