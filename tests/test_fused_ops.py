@@ -132,6 +132,17 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
     np.testing.assert_array_equal(dynamic(x, w).numpy(), got.numpy())
 
 
+def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
+    """A batch whose transformed tiles exceed the part size goes in nearly equal parts; same result."""
+    x = tf.constant(rng.normal(size=(5, 8, 8, 3)), tf.float32)
+    w = tf.constant(rng.normal(size=(3, 3, 3, 2)), tf.float32)
+    whole = fused.conv2d_3x3(x, w).numpy()
+    monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 36 * 4 * 4 * 3 * 2)  # two images' tiles per part
+    split = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
+    assert sum(op.type == "MrcnnWinogradInput" for op in split.graph.get_operations()) == 3  # 2 + 2 + 1
+    np.testing.assert_array_equal(split(x, w).numpy(), whole)
+
+
 def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
     """conv_ops.conv2d(fused=True): Winograd for the forward and the input gradient; tf.nn.conv2d's values."""
     monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # the route at this small size too

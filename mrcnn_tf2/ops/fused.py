@@ -226,6 +226,8 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 _WINOGRAD_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
                         [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])
 _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
+# The most bytes of transformed tiles (or of their products) computed at once.
+_WINOGRAD_PART_BYTES = 256 * 2**20
 
 
 def conv2d_3x3(inputs, kernel):
@@ -243,13 +245,32 @@ def conv2d_3x3(inputs, kernel):
       [B, H, W, C_out] float32.
     """
     library = load_library()
-    _, _, in_channels, out_channels = kernel.shape
+    batch, height, width, in_channels = inputs.shape
+    out_channels = kernel.shape[3]
     transformed = tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])),
                              [36, in_channels, out_channels])
-    products = tf.matmul(library.mrcnn_winograd_input(inputs), transformed)  # [36, T, C_out]
-    outputs = library.mrcnn_winograd_output(products, tf.shape(inputs)[:3])
+
+    def convolve(images):
+        products = tf.matmul(library.mrcnn_winograd_input(images), transformed)  # [36, T, C_out]
+        return library.mrcnn_winograd_output(products, tf.shape(images)[:3])
+
+    # The transformed tiles and products take 2.25x the input's and the output's memory: a large batch
+    # (P2 at batch 2: 322 MB each) goes in parts, which keeps a training step's peak memory down.
+    parts = 1
+    if None not in (batch, height, width):
+        tile_bytes = 36 * 4 * -(-height // 4) * -(-width // 4) * max(in_channels, out_channels) * batch
+        parts = min(batch, -(-tile_bytes // _WINOGRAD_PART_BYTES))
+    if parts > 1:
+        outputs = tf.concat([convolve(part) for part in tf.split(inputs, _even_split(batch, parts))], 0)
+    else:
+        outputs = convolve(inputs)
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
     return outputs
+
+
+def _even_split(total, parts):
+    """Sizes of `parts` nearly equal parts of `total`: _even_split(5, 2) = [3, 2]."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 # -- mask pasting and RLE encoding (evaluation, NumPy in, pycocotools RLE out) -----------------------------
