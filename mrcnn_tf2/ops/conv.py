@@ -20,8 +20,8 @@ reshape, and runs in oneDNN's batch kernel with the bias, residual and ReLU fuse
 the transposed route leaves them as separate passes over memory); 64->256 + residual + ReLU on 208x336
 went from 42 to 36 ms.
 
-With the fused ops on (`fused=True`, the layers' choice), a float32 3x3 stride-1 'SAME' conv instead runs
-Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix products over the 4x4 output blocks do the
+With the fused ops on (`fused=True`, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
+WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix products over the 4x4 output blocks do the
 work of the 144 of a direct conv, and the input gradient, the conv of the flipped kernel, goes the same
 way. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask head's convs over
 100 RoIs 72 ms against 121 ms. Its rounding differs from a direct conv's by about 1e-5 of the output's
@@ -74,6 +74,12 @@ def kernel_gradient(inputs, out_grad, kernel_shape, padding):
     return tf.reshape(tf.stack(taps), [kh, kw, c_in, c_out])
 
 
+def flipped(kernel):
+    """[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in], flipped in space: the kernel whose 'SAME' conv is
+    the transposed conv of `kernel` (odd sides)."""
+    return tf.transpose(tf.reverse(kernel, [0, 1]), [0, 1, 3, 2])
+
+
 def transposed_conv2d(inputs, kernel):
     """tf.nn.conv2d(inputs, kernel, 1, 'SAME') for odd kernel sides, computed as a transposed convolution.
 
@@ -84,9 +90,8 @@ def transposed_conv2d(inputs, kernel):
     Returns:
       [B, H, W, C_out].
     """
-    flipped = tf.transpose(tf.reverse(kernel, [0, 1]), [0, 1, 3, 2])  # [KH, KW, C_out, C_in] as conv2d_transpose wants
     out_shape = tf.concat([tf.shape(inputs)[:3], [kernel.shape[3]]], 0)
-    outputs = tf.nn.conv2d_transpose(inputs, flipped, out_shape, 1, "SAME")
+    outputs = tf.nn.conv2d_transpose(inputs, flipped(kernel), out_shape, 1, "SAME")
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
     return outputs
 
@@ -214,8 +219,8 @@ def _block(inputs, kernel, strides, padding, bias, residual, relu, fused):
             if _winograd(x, w, strides, padding, fused):
                 # The input gradient of a 3x3 'SAME' conv is the conv of the kernel flipped in space with
                 # its channels swapped: Winograd's route too.
-                flipped = tf.transpose(tf.reverse(w, [0, 1]), [0, 1, 3, 2])
-                return fused_ops.conv2d_3x3(out_grad, flipped), kernel_gradient(x, out_grad, kernel_shape, padding)
+                input_grad = fused_ops.conv2d_3x3(out_grad, flipped(w))
+                return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)
             if strides == 1:
                 input_grad = tf.nn.conv2d_transpose(out_grad, w, tf.shape(x), 1, padding)
                 return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)
