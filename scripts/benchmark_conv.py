@@ -31,6 +31,7 @@ def main():
     parser.add_argument("--shape", type=int, nargs=4, default=(2, 208, 336, 256), metavar=("B", "H", "W", "C"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    fused_ops.load_library()  # fail here, clearly, when the library is not built
     batch, height, width, channels = args.shape
     kernel_shape = (3, 3, channels, channels)
     x = tf.random.normal(args.shape)
