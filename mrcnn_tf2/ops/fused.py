@@ -1,7 +1,8 @@
 """Fused C++ custom ops (``ops/build/libmrcnn_ops.so``) behind the signatures of their pure-TF twins.
 
 Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2.ops`` (the mask RLE
-encoder's is in ``mrcnn_tf2.evaluation.coco_metrics``) and returns the same result (to float rounding);
+encoder's is in ``mrcnn_tf2.evaluation.coco_metrics``; the 3x3 conv's is ``tf.nn.conv2d`` at stride 1,
+'SAME') and returns the same result (to float rounding);
 the argument checks are the twin's own. The C++ sources are in ``ops/``, built by ``ops/build.sh`` (which
 ``scripts/setup.sh`` runs).
 
