@@ -9,10 +9,11 @@ the argument checks are the twin's own. The C++ sources are in ``ops/``, built b
 ``use_fused(mode)`` is the one place that decides which implementation runs: 'off' -> twins;
 'auto' -> fused when the library loads, else one warning and twins; 'on' -> fused, or
 ``CustomOpsUnavailable`` naming the library and the reason. A custom op cannot be compiled into an XLA
-cluster: under --xla the model compiles only its dense layers and these ops run between them. Exported
+cluster: under --xla the model compiles only its dense layers and these ops run between them (the 3x3
+conv's, which would sit inside those layers, is then off). Exported
 SavedModels use the twins, so that they load without the library (the factory's ``export`` argument).
 
-This module must not read the config; the factory passes the decision to the stage objects.
+This module must not read the config; the factory passes the decision to the stage objects and layers.
 """
 import json
 import os
