@@ -112,12 +112,11 @@ def split_conv2d(inputs, kernel, strides, padding):
         inputs = tf.pad(inputs, padding)
     kh = kernel.shape[0]
     rows = inputs.shape[1]  # static or None
-    width, channels = tf.shape(inputs)[2], tf.shape(inputs)[3]
     out_h = (tf.shape(inputs)[1] - kh) // strides + 1
     half = (out_h + 1) // 2
     if rows is not None and rows % (2 * strides) == 0 and kh <= strides:
         # The halves need no common row (a 1x1/2 shortcut conv): the image's rows as two images, no copy.
-        halves = tf.reshape(inputs, [2, rows // 2, width, channels])
+        halves = tf.reshape(inputs, tf.concat([[2, rows // 2], tf.shape(inputs)[2:]], 0))
     else:
         span = (half - 1) * strides + kh  # the input rows of `half` output rows
         bottom = (out_h - half) * strides  # the bottom half's first input row; for an odd H_out it repeats a row
