@@ -41,13 +41,20 @@ _FLAGS = {
     "init_learning_rate": ("train.init_learning_rate", dict(type=float, help="learning rate at step 0 of warm-up")),
     "learning_rate_values": (
         "train.learning_rate_values",
-        dict(type=float, nargs="+", help="learning rate from each boundary on (scaled by the global batch)"),
+        dict(type=float, nargs="+",
+             help="learning rate from each boundary on, at a global batch of train.learning_rate_batch_size (8) "
+                  "images; scaled linearly with the global batch"),
     ),
     "learning_rate_boundaries": (
         "train.learning_rate_boundaries",
-        dict(type=float, nargs="+", help="epochs at which each value starts; the first ends warm-up"),
+        dict(type=float, nargs="+",
+             help="epochs at which each value starts; the first ends warm-up (at least train.warmup_min_steps)"),
     ),
     "momentum": ("train.momentum", dict(type=float, help="SGD momentum")),
+    "clip_grad_norm": (
+        "train.clip_grad_norm",
+        dict(type=float, help="clip the averaged, unscaled gradients to this global norm (None: no clipping)"),
+    ),
     "use_synthetic_data": (
         "data.use_synthetic_data",
         dict(action="store_true", help="repeat one real batch (measures the model without the input pipeline)"),
@@ -159,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--finetune_bn",
         action="store_true",
-        help="train batch norm statistics and affine parameters (default: frozen, model.freeze_bn)",
+        help="train batch norm statistics and affine parameters (default: frozen with pretrained weights, "
+             "trained from scratch; model.freeze_bn)",
     )
     parser.add_argument(
         "--config_override",
@@ -175,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The validated Config: defaults, then flags, then --config_override. Raises ConfigError."""
+    """The validated Config: defaults, then flags, then --config_override, then the rules of the settings
+    left to None (Config.resolved). Raises ConfigError."""
     config = Config()
     for flag, (path, _) in _FLAGS.items():
         _set(config, path, getattr(args, flag))
@@ -186,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if not sep or not key:
             raise ConfigError("--config_override", f"'{item}' is not KEY=VALUE")
         config.override(key.strip(), value.strip())
+    config = config.resolved()
     config.validate()
     return config
 

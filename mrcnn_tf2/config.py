@@ -12,6 +12,7 @@ This module must not import TensorFlow: `--help` and `--print_config` stay fast.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import typing
@@ -135,9 +136,12 @@ class ModelConfig:
     # COCO's 90 category ids plus background, as NVIDIA trains it.
     num_classes: int = 91
     # Batch norm uses its moving statistics and fixed affine in training (small per-device batches).
-    freeze_bn: bool = True
+    # None: frozen when pretrained weights are loaded, trained (batch statistics) from scratch, where a
+    # frozen batch norm is the identity and a deep ResNet's activations explode (Config.resolved).
+    freeze_bn: Optional[bool] = None
     # Block groups whose weights stay fixed: 0 = stem, 1 = first residual group (conv2_x).
-    freeze_blocks: tuple[int, ...] = (0, 1)
+    # None: (0, 1) when pretrained weights are loaded, none from scratch (random features are no prior).
+    freeze_blocks: Optional[tuple[int, ...]] = None
     # ResNet v1 (stride in the first 1x1 conv of a block, as keras.applications' ImageNet weights) instead
     # of v1.5 (stride in the 3x3); a converted pretrained backbone sets what it needs (see weights/).
     stride_in_1x1: bool = False
@@ -177,10 +181,20 @@ class TrainConfig:
     # Batches whose gradients are summed before one optimizer update.
     accumulate_steps: int = 1
     # Linear warm-up from init_learning_rate to learning_rate_values[0] until learning_rate_boundaries[0]
-    # epochs, then learning_rate_values[i] from learning_rate_boundaries[i] epochs on.
+    # epochs (but at least warmup_min_steps updates), then learning_rate_values[i] from
+    # learning_rate_boundaries[i] epochs on. The rates are those of a global batch (images per update over
+    # all workers and accumulated batches) of learning_rate_batch_size images and scale linearly with it:
+    # NVIDIA's 1e-2 at 8 images is their 0.04 at 8 GPUs x 4 images, and detectron2's and torchvision's 0.02
+    # at 16 (runtime/schedule.py).
     init_learning_rate: float = 0.0
     learning_rate_values: tuple[float, ...] = (1e-2, 1e-3, 1e-4)
     learning_rate_boundaries: tuple[float, ...] = (0.3, 8.0, 10.0)
+    learning_rate_batch_size: int = 8
+    # A floor on the warm-up in updates, so that a small data set (or a benchmark's short epoch) still
+    # ramps up gently from random weights; later boundaries still apply at their epochs.
+    warmup_min_steps: int = 500
+    # Clip the gradients to this global norm (after averaging over workers, unscaled); None: no clipping.
+    clip_grad_norm: Optional[float] = None
     momentum: float = 0.9
     # L2 penalty on convolution and dense kernels (not batch norm, not biases).
     l2_weight_decay: float = 1e-4
@@ -277,7 +291,8 @@ class RuntimeConfig:
 
 @dataclass
 class Config:
-    """Every setting of a run, resolved from defaults, flags and overrides (in that order)."""
+    """Every setting of a run, resolved from defaults, flags and overrides (in that order), then the rules of
+    the settings left to None (`resolved`)."""
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -286,6 +301,24 @@ class Config:
     infer: InferConfig = field(default_factory=InferConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def pretrained(self) -> bool:
+        """True when a run starts from pretrained weights (today: --backbone_checkpoint)."""
+        return self.train.backbone_checkpoint is not None
+
+    def resolved(self) -> "Config":
+        """A copy with every setting left to its rule (None) filled in; resolved configs are unchanged.
+
+        freeze_bn and freeze_blocks follow whether pretrained weights are loaded: the seeds' frozen batch
+        norm and first groups with them, everything trained from scratch.
+        """
+        config = copy.deepcopy(self)
+        model, pretrained = config.model, config.pretrained()
+        if model.freeze_bn is None:
+            model.freeze_bn = pretrained
+        if model.freeze_blocks is None:
+            model.freeze_blocks = (0, 1) if pretrained else ()
+        return config
 
     def to_dict(self) -> dict:
         """Nested plain dict (tuples become lists), ready for JSON."""
@@ -340,8 +373,13 @@ class Config:
         anchors = self.model.anchors
         if not 2 <= anchors.min_level <= anchors.max_level:
             raise ConfigError("model.anchors.min_level", f"levels {anchors.min_level}..{anchors.max_level} invalid")
+        if self.train.clip_grad_norm is not None and not self.train.clip_grad_norm > 0:
+            raise ConfigError("--clip_grad_norm", f"{self.train.clip_grad_norm} must be > 0")
+        if self.train.warmup_min_steps < 0:
+            raise ConfigError("train.warmup_min_steps", f"{self.train.warmup_min_steps} must be >= 0")
         for key, count in (
             ("--train_batch_size", self.train.train_batch_size),
+            ("train.learning_rate_batch_size", self.train.learning_rate_batch_size),
             ("--eval_batch_size", self.eval.eval_batch_size),
             ("--accumulate_steps", self.train.accumulate_steps),
             ("--epochs", self.train.epochs),

@@ -20,13 +20,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The CPU-sized preset. Scenes of 128x128 pixels (objects of 8 to 64 px) trained at that size with
-# ResNet-18 from scratch: batch norm trained (no pretrained statistics to keep), no frozen blocks, FPN and
-# the box head's input narrowed to 128 channels and the mask head to 64 (it costs most of a step at 128),
+# ResNet-18 from scratch (so batch norm trains and no block is frozen, the default without pretrained
+# weights), FPN and the box head's input narrowed to 128 channels and the mask head to 64 (it costs most
+# of a step at 128),
 # anchors of 16 px on P2 for the small objects, and second-stage budgets sized to a few objects per image.
-# Learning rates are per image of the batch (NVIDIA's convention).
+# Learning rates are those of a global batch of 8 images (train.learning_rate_batch_size), the demo's.
 MODEL_FLAGS = [
-    "--backbone", "resnet18", "--image_size", "128", "128", "--finetune_bn",
-    "--config_override", "model.freeze_blocks=[]",
+    "--backbone", "resnet18", "--image_size", "128", "128",
     "--config_override", "model.fpn_num_filters=128",
     "--config_override", "model.mrcnn_head_num_filters=64",
     "--config_override", "model.fast_rcnn_mlp_head_dim=512",
@@ -39,8 +39,8 @@ MODEL_FLAGS = [
     "--config_override", "data.max_num_instances=32",
 ]
 # Per preset: generated images and the schedule (epochs over the training images at batch 8; boundaries
-# end the warm-up and drop the learning rate 10x). Scenes cost about 6 ms each to generate and convert,
-# so the full run sees each one twice (850 steps) rather than six times as many fewer ones: at 750 steps,
+# end the warm-up, with no floor in steps, and drop the learning rate 10x). Scenes cost about 6 ms each
+# to generate and convert, so the full run sees each one twice (850 steps) rather than six times as many fewer ones: at 750 steps,
 # 1000 scenes x 6 gave box / mask AP 0.544 / 0.466 and 3000 x 2 gave 0.578 / 0.494. 200 validation scenes
 # (606 objects) keep the AP's sampling noise small.
 PRESETS = {
@@ -70,8 +70,9 @@ def stages(preset, out):
     common = ["--data_dir", records, "--model_dir", model, "--num_classes", "6", *MODEL_FLAGS]
     yield "train Mask R-CNN from scratch", [
         "main.py", "train", *common, "--train_batch_size", str(BATCH_SIZE), "--seed", str(SEED),
-        "--epochs", str(preset["epochs"]), "--init_learning_rate", "1e-4",
-        "--learning_rate_values", "2.5e-3", "2.5e-4", "--learning_rate_boundaries", *preset["boundaries"],
+        "--epochs", str(preset["epochs"]), "--init_learning_rate", "8e-4",
+        "--learning_rate_values", "2e-2", "2e-3", "--learning_rate_boundaries", *preset["boundaries"],
+        "--config_override", "train.warmup_min_steps=0",
         "--log_every", "25", "--log_warmup_steps", "5", "--checkpoint_every", "100",
     ]
     yield "evaluate COCO AP on the validation split", [

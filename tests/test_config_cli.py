@@ -29,8 +29,8 @@ SPEC_DEFAULTS = {
     "model.bbox_reg_weights": (10.0, 10.0, 5.0, 5.0),
     "model.mrcnn_resolution": 28,
     "model.backbone": "resnet50",
-    "model.freeze_bn": True,
-    "model.freeze_blocks": (0, 1),
+    "model.freeze_bn": None,  # the rule of Config.resolved
+    "model.freeze_blocks": None,
     "model.rpn.rpn_positive_overlap": 0.7,
     "model.rpn.rpn_negative_overlap": 0.3,
     "model.rpn.rpn_batch_size_per_im": 256,
@@ -76,6 +76,7 @@ FLAG_DEFAULTS = {
     "learning_rate_values": [1e-2, 1e-3, 1e-4],
     "learning_rate_boundaries": [0.3, 8.0, 10.0],
     "momentum": 0.9,
+    "clip_grad_norm": None,
     "finetune_bn": False,
     "use_synthetic_data": False,
     "xla": False,
@@ -122,7 +123,19 @@ def test_flag_defaults_and_no_flag_gives_the_default_config():
     args = arguments.build_parser().parse_args(["train"])
     for flag, expected in FLAG_DEFAULTS.items():
         assert getattr(args, flag) == expected, flag
-    assert arguments.config_from_args(args) == Config()
+    assert arguments.config_from_args(args) == Config().resolved()
+
+
+@pytest.mark.parametrize("flags, freeze_bn, freeze_blocks", [
+    ([], False, ()),  # from scratch: batch norm trains, nothing frozen
+    (["--backbone_checkpoint", "/w"], True, (0, 1)),  # pretrained: the seeds' frozen defaults
+    (["--backbone_checkpoint", "/w", "--finetune_bn"], False, (0, 1)),  # explicit flags and overrides win
+    (["--config_override", "model.freeze_bn=true", "--config_override", "model.freeze_blocks=[0]"], True, (0,)),
+])
+def test_batch_norm_and_frozen_blocks_follow_pretrained_weights(flags, freeze_bn, freeze_blocks):
+    config = arguments.config_from_args(arguments.build_parser().parse_args(["train", *flags]))
+    assert (config.model.freeze_bn, config.model.freeze_blocks) == (freeze_bn, freeze_blocks)
+    assert config.resolved() == config
 
 
 def test_leaf_names_are_unique_so_flags_and_keys_read_the_same():
@@ -135,7 +148,7 @@ def test_flags_reach_the_config():
         "train --data_dir /d --model_dir /m --backbone_checkpoint /w --eval_file /e.json --epochs 3 "
         "--steps_per_epoch 7 --eval_samples 9 --train_batch_size 2 --eval_batch_size 3 --seed 5 "
         "--l2_weight_decay 0.5 --init_learning_rate 0.001 --learning_rate_values 0.1 0.01 "
-        "--learning_rate_boundaries 1 2 --momentum 0.8 --finetune_bn --use_synthetic_data --xla --amp "
+        "--learning_rate_boundaries 1 2 --momentum 0.8 --clip_grad_norm 5 --finetune_bn --use_synthetic_data --xla --amp "
         "--log_file /l.jsonl --log_every 4 --log_warmup_steps 6 --log_graph --log_tensorboard /tb -v "
         "--eagerly --backbone resnet18 --image_size 256 320 --num_classes 5 --accumulate_steps 2 "
         "--benchmark --benchmark_steps 11 --min_bbox_map 0.3 --min_mask_map 0.2 --custom_ops off "
@@ -159,7 +172,9 @@ def test_flags_reach_the_config():
         "train.learning_rate_values": (0.1, 0.01),
         "train.learning_rate_boundaries": (1.0, 2.0),
         "train.momentum": 0.8,
+        "train.clip_grad_norm": 5.0,
         "model.freeze_bn": False,
+        "model.freeze_blocks": (0, 1),  # the pretrained rule (--backbone_checkpoint)
         "data.use_synthetic_data": True,
         "runtime.xla": True,
         "runtime.amp": True,
@@ -303,7 +318,7 @@ def test_print_config_is_the_resolved_config_as_json(capsys):
     assert printed["model"]["rpn"]["rpn_min_size"] == 1.0
     expected = Config()
     expected.model.backbone, expected.model.rpn.rpn_min_size = "resnet18", 1.0
-    assert {k: v for k, v in printed.items() if k != "mode"} == expected.to_dict()
+    assert {k: v for k, v in printed.items() if k != "mode"} == expected.resolved().to_dict()
 
 
 def test_help_lists_every_flag_with_its_default():

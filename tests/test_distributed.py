@@ -1,10 +1,12 @@
 """Distributed training with Horovod: the world outside a launcher, two Gloo ranks kept in sync and equal to
-one process on the combined batch, `main.py train` under horovodrun, a dead rank ending the job, resume.
+one process on the combined batch, two ranks sharing the records of one file, `main.py train` under
+horovodrun, a dead rank ending the job, resume.
 
 Horovod is built by the set-up (scripts/build_horovod.sh): where it does not import, these tests fail
 rather than skip, so CI cannot silently lose them.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +91,20 @@ def test_two_ranks_stay_identical_and_equal_one_process_on_the_combined_batch(tm
                                    err_msg=variable.path)
         moved += not np.allclose(ranks[0][f"initial_{i}"], variable.numpy())
     assert moved > count // 2  # the updates changed the weights: the comparison is not of the start
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_records_of_a_single_file_disjointly_and_completely(tmp_path, shapes_records):
+    (path,) = tf.io.gfile.glob(shapes_records["val"])  # one file of 5 records: 3 for rank 0, 2 for rank 1
+    draws = 20  # several passes over each share, in its shuffled order
+    result = subprocess.run(horovodrun(sys.executable, os.path.join(ROOT, "tests", "distributed_records.py"), path,
+                                       str(draws), str(tmp_path)),
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("keeps 1 record in 2") == 1, result.stdout[-3000:]  # rank 0's notice
+    seen = [set(json.loads((tmp_path / f"rank{r}.json").read_text())) for r in (0, 1)]
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {image["id"] for image in shapes_records["annotations"]["val"]["images"]}
 
 
 def train_under_horovodrun(model_dir, data_dir, *extra):

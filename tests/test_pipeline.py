@@ -1,4 +1,5 @@
-"""The tf.data input pipeline on converter output: shapes, padding, image_info, flips, RPN targets, order."""
+"""The tf.data input pipeline on converter output: shapes, padding, image_info, flips, RPN targets, order,
+each worker's share of the records."""
 
 import os
 import shutil
@@ -9,7 +10,8 @@ import tensorflow as tf
 
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.pipeline import InputPipeline, crop_instance_masks, flip_horizontally, resize_and_pad
+from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, flip_horizontally,
+                                     notice_record_sharding, resize_and_pad, worker_records)
 
 IMAGE_SIZE = (128, 192)
 MAX_INSTANCES = 24
@@ -135,6 +137,46 @@ def test_eval_reads_every_record_once_in_order_keeping_the_last_partial_batch(re
     assert set(batches[0]) == {"images", "image_info", "source_ids"}
     ids = [int(i) for b in batches for i in b["source_ids"]]
     assert sorted(ids) == sorted(image["id"] for image in annotations["val"]["images"])
+
+
+def source_ids(serialized_records):
+    return [int(decode_example(s, include_masks=False)["source_id"]) for s in serialized_records]
+
+
+def test_at_least_as_many_files_as_workers_give_each_worker_its_own_files(records):
+    paths = sorted(tf.io.gfile.glob(records[0]))
+    assert len(paths) == 2
+    for worker in (0, 1):
+        assert source_ids(worker_records(paths, worker, 2, training=False)) == list(originals(paths[worker]))
+
+
+@pytest.mark.parametrize("split, workers", [("val", 2), ("train", 3)])  # 1 file of 5, 2 files of 3 records
+def test_fewer_files_than_workers_give_each_worker_every_nth_record(records, split, workers):
+    pattern = {"train": records[0], "val": records[1]}[split]
+    paths = sorted(tf.io.gfile.glob(pattern))
+    assert len(paths) < workers
+    in_file_order = list(originals(pattern))
+    for worker in range(workers):
+        # Counted across the files in order: disjoint shares that cover the files.
+        assert source_ids(worker_records(paths, worker, workers, training=False)) == in_file_order[worker::workers]
+
+
+def test_training_with_fewer_files_than_workers_reads_only_its_records_and_says_so_once(records, capsys):
+    _, val, _ = records  # one file
+    notice_record_sharding.cache_clear()  # other tests may have printed it
+    in_file_order = list(originals(val))
+    for worker in (0, 1, 0):  # worker 0 twice, as training builds its dataset twice
+        batches = InputPipeline(make_config(), training=True).dataset(val, 1, worker, 2).take(10)
+        assert {int(b["source_ids"][0]) for b in batches} == set(in_file_order[worker::2])
+    assert capsys.readouterr().out.count("keeps 1 record in 2") == 1
+
+
+def test_fewer_records_than_workers_is_an_error(tmp_path, records):
+    path = str(tmp_path / "one.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        writer.write(next(iter(tf.data.TFRecordDataset(tf.io.gfile.glob(records[1])))).numpy())
+    with pytest.raises(ValueError, match="fewer records than the 2 workers"):
+        InputPipeline(make_config(), training=True).dataset(path, 1, 1, 2)
 
 
 def test_crop_instance_masks_samples_at_pixel_centres():

@@ -61,12 +61,29 @@ def test_schedule_warms_up_linearly_then_steps_at_the_boundaries():
     assert rates[80] == rates[10_000] == pytest.approx(0.005)
 
 
-def test_schedule_from_config_scales_values_by_the_global_batch_and_epochs_to_steps():
-    train = Config().train
-    schedule = learning_rate_schedule(train, steps_per_epoch=100, global_batch_size=8)
+def test_schedule_from_config_scales_rates_linearly_with_the_global_batch_and_epochs_to_steps():
+    train = Config().train  # 1e-2, 1e-3, 1e-4 at a global batch of 8; boundaries 0.3, 8, 10 epochs
+    train.warmup_min_steps = 0
+    schedule = learning_rate_schedule(train, steps_per_epoch=100, global_batch_size=16)
     assert schedule.boundaries == [30, 800, 1000]
-    assert schedule.values == pytest.approx([0.08, 0.008, 0.0008])
-    assert float(schedule(15)) == pytest.approx(0.04)
+    assert schedule.values == pytest.approx([0.02, 0.002, 0.0002])
+    assert float(schedule(15)) == pytest.approx(0.01)
+    assert learning_rate_schedule(train, 100, 2).values == pytest.approx([0.0025, 0.00025, 0.000025])
+
+
+def test_warmup_lasts_at_least_warmup_min_steps_but_ends_at_the_second_boundary():
+    train = Config().train  # warmup_min_steps 500
+    assert learning_rate_schedule(train, steps_per_epoch=100, global_batch_size=8).boundaries == [500, 800, 1000]
+    assert learning_rate_schedule(train, steps_per_epoch=1000, global_batch_size=8).boundaries[0] == 500
+    assert learning_rate_schedule(train, steps_per_epoch=10_000, global_batch_size=8).boundaries[0] == 3000
+    short = learning_rate_schedule(train, steps_per_epoch=50, global_batch_size=8)
+    assert short.boundaries == [400, 400, 500]
+    assert float(short(200)) == pytest.approx(0.005) and float(short(400)) == pytest.approx(0.001)
+
+
+def test_benchmark_schedule_is_the_rate_after_warmup_at_every_step():
+    schedule = learning_rate_schedule(Config().train, steps_per_epoch=3, global_batch_size=2, constant=True)
+    assert [float(schedule(step)) for step in (0, 1, 499, 10_000)] == pytest.approx([0.0025] * 4)
 
 
 def trainer_for(config):
@@ -85,6 +102,8 @@ def equally_weighted_config():
     config.model.roi.fg_fraction = 1.0
     config.model.rpn.train_rpn_post_nms_topn = 20
     config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+    # Frozen batch norm: batch statistics of a batch of N images are not those of N batches of one.
+    config.model.freeze_bn = True
     return config
 
 
@@ -113,10 +132,12 @@ def test_accumulated_update_equals_one_update_on_the_larger_batch():
     assert int(accumulated.optimizer.iterations.numpy()) == 1
 
 
-def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_records):
+@pytest.mark.parametrize("freeze_bn", [False, True])
+def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_records, freeze_bn):
     config = small_config()
     config.data.data_dir = shapes_records["data_dir"]
     config.model.num_classes = 6
+    config.model.freeze_bn = freeze_bn
     config.data.max_num_instances = 8
     config.runtime.model_dir = str(tmp_path)
     config.runtime.checkpoint_every = 1
@@ -124,12 +145,17 @@ def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_rec
     config.train.init_learning_rate = 1e3
     config.train.learning_rate_values = (1e3,)
     config.train.learning_rate_boundaries = (0.0,)
+    config.train.warmup_min_steps = 0
     config.train.epochs = 50
     assert train_runtime.Trainer(config).run() == train_runtime.EXIT_NON_FINITE
     log = read_log(tmp_path / "log.jsonl")
     (stopped,) = [r for r in log if r["event"] == "stopped"]
     failed_step = int(stopped["reason"].split("non-finite loss at step ")[1].split()[0])
     assert "loss_total=" in stopped["reason"]
+    # Frozen batch norm without pretrained weights is named as the likely cause, with the flag that changes it.
+    assert ("frozen (model.freeze_bn=true) without pretrained weights" in stopped["reason"]) == freeze_bn
+    assert ("--finetune_bn" in stopped["reason"]) == freeze_bn
+    assert ("--clip_grad_norm" in stopped["reason"]) != freeze_bn
     assert [r["step"] for r in log if r["event"] == "checkpoint"] == list(range(1, failed_step))
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{failed_step - 1}")
 
@@ -208,6 +234,24 @@ def test_benchmark_prints_throughput_and_latency_percentiles(tmp_path, shapes_re
     assert not any(name.startswith("ckpt") for name in os.listdir(tmp_path))  # benchmarks leave no checkpoint
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone", ["resnet18", "resnet34", "resnet50", "resnet101"])
+def test_benchmark_trains_from_scratch_at_the_defaults_at_the_rate_after_warmup(tmp_path, shapes_records, backbone):
+    """Every backbone at the default model, schedule and learning rate, at 128x128 batch 2: the benchmark runs
+    all its steps at the rate after the warm-up (1e-2 x 2 / 8), with finite losses."""
+    result = subprocess.run(
+        main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), "--backbone",
+                backbone, "--image_size", "128", "128", "--train_batch_size", "2", "--seed", "1", "--benchmark",
+                "--use_synthetic_data", "--log_warmup_steps", "2", "--benchmark_steps", "8", "--log_every", "1"),
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no pretrained weights: training from scratch" in result.stdout
+    metrics = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics"]
+    assert [r["step"] for r in metrics] == list(range(1, 11))
+    assert all(r["learning_rate"] == pytest.approx(0.0025) for r in metrics)
+    assert all(np.isfinite(r["loss_total"]) for r in metrics)
+
+
 def test_missing_training_files_are_a_clear_error(tmp_path):
     result = subprocess.run(main_py("train", "--data_dir", str(tmp_path)), cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
@@ -281,3 +325,60 @@ def test_amp_on_cpu_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch, caps
         assert precision.set_precision(False) == "float32"
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def from_scratch_losses(tmp_path, data_dir, *overrides):
+    """loss_total of each of 20 steps of ResNet-50 trained from scratch at the default schedule and learning
+    rate, at 256x256, batch 2, with the warm-up shortened to 6 steps (0.3 epochs of 20 steps, no floor)."""
+    _, config = parse(["train", "--data_dir", data_dir, "--model_dir", str(tmp_path), "--image_size", "256", "256",
+                       "--train_batch_size", "2", "--seed", "3", "--steps_per_epoch", "20", "--epochs", "1",
+                       "--log_every", "1", "--config_override", "train.warmup_min_steps=0", *overrides])
+    status = train_runtime.Trainer(config).run()
+    losses = [r["loss_total"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics"]
+    return status, losses
+
+
+@pytest.mark.slow
+def test_resnet50_trains_from_scratch_at_the_defaults(tmp_path, shapes_records, capsys):
+    status, losses = from_scratch_losses(tmp_path, shapes_records["data_dir"])
+    assert "no pretrained weights: training from scratch with batch norm on batch statistics" in capsys.readouterr().out
+    assert status == 0 and len(losses) == 20 and all(np.isfinite(losses)), losses
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_clip_grad_norm_scales_the_unscaled_update_to_the_norm(monkeypatch, policy):
+    """SGD's first update is -lr * g: clipped to c, it must be -lr * g * c / |g|, whatever the loss scale
+    (under mixed_float16 the LossScaleOptimizer's gradients are 2**15 times larger until it unscales them).
+    A large rate makes the updates large against the float32 rounding of the weights they are read from."""
+    def set_policy(amp):
+        keras.mixed_precision.set_global_policy(policy)
+        return policy
+
+    monkeypatch.setattr(train_runtime, "set_precision", set_policy)
+    batch = synthetic_batch(small_config())
+    norm = lambda arrays: float(np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in arrays)))  # noqa: E731
+    deltas, initial, clip = [], None, None
+    try:
+        for _ in range(2):
+            config = equally_weighted_config()
+            config.train.init_learning_rate = 1.0
+            config.train.clip_grad_norm = clip
+            trainer = trainer_for(config)
+            trainer.build(batch)
+            if initial is None:
+                initial = [v.numpy() for v in trainer.model.weights]
+            for target, source in zip(trainer.model.weights, initial):  # the same start for both updates
+                target.assign(source)
+            before = [v.numpy() for v in trainer.model.trainable_variables]
+            trainer.update_function()([batch])
+            deltas.append([v.numpy() - b for v, b in zip(trainer.model.trainable_variables, before)])
+            rate = float(trainer.schedule(0))
+            gradient_norm = norm(deltas[0]) / rate
+            clip = gradient_norm / 4
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert norm(deltas[1]) == pytest.approx(rate * gradient_norm / 4, rel=1e-3)
+    if policy == "float32":  # float16 gradients of two runs differ in rounding: only their norm is exact
+        for unclipped, clipped in zip(*deltas):
+            np.testing.assert_allclose(clipped, unclipped / 4, rtol=1e-3, atol=1e-6 * rate)

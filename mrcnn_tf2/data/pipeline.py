@@ -1,10 +1,11 @@
 """The tf.data input pipeline: TFRecords -> batched, padded `features` dicts for the model.
 
-Training: files matching the pattern -> this worker's shard of the files -> interleaved parallel reads
--> shuffle -> decode -> drop crowd -> random horizontal flip (image, boxes, mask crops together) ->
-aspect-preserving resize to fit image_size -> ImageNet normalisation -> pad bottom/right -> GT masks
-cropped to their boxes at gt_mask_size -> GT padded to max_num_instances with -1 -> RPN targets per
-level -> batch -> prefetch. Evaluation: image, image_info and source_id only.
+Training: files matching the pattern -> this worker's share (`worker_records`: its own files read
+interleaved, or every N-th record when there are fewer files than N workers) -> shuffle -> decode ->
+drop crowd -> random horizontal flip (image, boxes, mask crops together) -> aspect-preserving resize
+to fit image_size -> ImageNet normalisation -> pad bottom/right -> GT masks cropped to their boxes at
+gt_mask_size -> GT padded to max_num_instances with -1 -> RPN targets per level -> batch -> prefetch.
+Evaluation: image, image_info and source_id only.
 
 Boxes are [ymin, xmin, ymax, xmax] float32 in pixels of the resized, padded image.
 `image_info` is [scaled_h, scaled_w, 1 / scale, original_h, original_w]: multiplying a box by
@@ -15,6 +16,8 @@ This module reads the config; the ops it calls take plain arguments.
 Glossary: B batch, M = max_num_instances, S = gt_mask_size, H x W = image_size, H_l x W_l the size of
 FPN level l, A anchors per cell.
 """
+
+import functools
 
 import tensorflow as tf
 
@@ -126,6 +129,46 @@ def check_tfrecord_file(path, file_pattern):
                          "the TFRecord shards") from None
 
 
+def worker_records(paths, shard_index, num_shards, training, seed=None):
+    """The serialized records that worker `shard_index` of `num_shards` reads, before any record shuffle.
+
+    With at least `num_shards` files the worker reads its own files, paths[shard_index::num_shards],
+    interleaved (in training: in a shuffled order, repeated forever). With fewer (a small data set is
+    often one file) it reads every file in order and keeps records shard_index, shard_index + num_shards,
+    ... counted across the files: the workers' shares are disjoint, cover the files and differ by at most
+    one record, whatever the seeds.
+
+    Args:
+      paths: sorted list of TFRecord paths, the same on every worker.
+      shard_index, num_shards: this worker's index and the number of workers.
+      training: repeat forever (True) or read each record once in a fixed order (False).
+      seed: the seed of the file order in training; None: random.
+
+    Returns:
+      a tf.data.Dataset of scalar tf.string records.
+    """
+    if len(paths) < num_shards:
+        records = tf.data.TFRecordDataset(paths).shard(num_shards, shard_index)
+        return records.repeat() if training else records
+    files = tf.data.Dataset.from_tensor_slices(paths[shard_index::num_shards])
+    if training:
+        files = files.shuffle(4096, seed=seed, reshuffle_each_iteration=True).repeat()
+    return files.interleave(
+        tf.data.TFRecordDataset,
+        cycle_length=CYCLE_LENGTH,
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=not training or seed is not None,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def notice_record_sharding(file_pattern, num_files, num_shards):
+    """Prints, once per process and arguments, that workers share records rather than files (training
+    builds its dataset twice: once to peek a batch, once to train)."""
+    print(f"[data] {file_pattern} matches {num_files} file(s) for {num_shards} workers: each worker reads "
+          f"every file and keeps 1 record in {num_shards}", flush=True)
+
+
 def pad_instances(tensor, size, value):
     """Pads (or truncates) the first dimension of `tensor` to `size` with `value`: [K, ...] -> [size, ...]."""
     tensor = tensor[:size]
@@ -162,27 +205,26 @@ class InputPipeline:
     def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
 
-        Files are sharded by worker (`shard_index` of `num_shards`) before reading, so each worker reads
-        its own files; there must be at least `num_shards` files. Training repeats forever; evaluation
-        reads each record once, in a fixed order, and keeps the last partial batch.
+        Worker `shard_index` of `num_shards` reads its share of the records before they are shuffled:
+        its own files, or with fewer files than workers every `num_shards`-th record (see
+        `worker_records`; worker 0 prints a notice). Training repeats forever; evaluation reads each record
+        once, in a fixed order, and keeps the last partial batch.
         """
         paths = sorted(tf.io.gfile.glob(file_pattern))
-        if len(paths) < num_shards:
-            raise ValueError(
-                f"file pattern {file_pattern!r} matches {len(paths)} files; {num_shards} workers need at least "
-                f"one each (make TFRecords with dataset/create_coco_tf_record.py)"
-            )
-        for path in paths[shard_index::num_shards]:
+        if not paths:
+            raise ValueError(f"file pattern {file_pattern!r} matches no file (make TFRecords with "
+                             "dataset/create_coco_tf_record.py)")
+        by_record = len(paths) < num_shards
+        for path in paths if by_record else paths[shard_index::num_shards]:
             check_tfrecord_file(path, file_pattern)
-        files = tf.data.Dataset.from_tensor_slices(paths[shard_index::num_shards])
-        if self.training:
-            files = files.shuffle(4096, seed=self.seed, reshuffle_each_iteration=True).repeat()
-        records = files.interleave(
-            tf.data.TFRecordDataset,
-            cycle_length=CYCLE_LENGTH,
-            num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=not self.training or self.seed is not None,
-        )
+        if by_record:
+            # A worker left without records would spin forever in the repeated training input.
+            if int(tf.data.TFRecordDataset(paths).take(num_shards).reduce(0, lambda n, _: n + 1)) < num_shards:
+                raise ValueError(f"file pattern {file_pattern!r} holds fewer records than the {num_shards} "
+                                 "workers")
+            if shard_index == 0:
+                notice_record_sharding(file_pattern, len(paths), num_shards)
+        records = worker_records(paths, shard_index, num_shards, self.training, self.seed)
         if self.training:
             records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
             # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.

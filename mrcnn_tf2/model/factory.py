@@ -20,6 +20,7 @@ def build_model(config, export=False):
     The non-learned stages run the fused C++ ops as `runtime.custom_ops` says, except with `export=True`:
     an exported SavedModel must load without the ops library. `runtime.xla` compiles the dense layers. Raises `fused.CustomOpsUnavailable` when custom_ops is 'on' and the library is unusable.
     """
+    config = config.resolved()
     model, data = config.model, config.data
     fused = not export and use_fused(config.runtime.custom_ops)
     # The 3x3 convs' fused ops would sit inside the XLA-compiled layers of --xla, which cannot hold them.

@@ -34,15 +34,23 @@ class WarmupPiecewiseConstant(keras.optimizers.schedules.LearningRateSchedule):
         return {"init_value": self.init_value, "boundaries": self.boundaries, "values": self.values}
 
 
-def learning_rate_schedule(train_config, steps_per_epoch, global_batch_size):
-    """The schedule of a TrainConfig: boundaries from epochs to updates, values (per image) x global batch.
+def learning_rate_schedule(train_config, steps_per_epoch, global_batch_size, constant=False):
+    """The schedule of a TrainConfig at `steps_per_epoch` updates of `global_batch_size` images.
 
-    As NVIDIA's, `learning_rate_values` and `init_learning_rate` are per image of the global batch
-    (images per update over all workers and accumulated batches), so the same flags keep their meaning
-    when the batch or the number of workers changes.
+    The linear scaling rule: `init_learning_rate` and `learning_rate_values` are the rates of a global
+    batch (images per update over all workers and accumulated batches) of `learning_rate_batch_size`
+    images, so a run at another batch or number of workers takes them times global_batch_size /
+    learning_rate_batch_size. Boundaries go from epochs to updates; the warm-up lasts at least
+    `warmup_min_steps` updates (but ends at the second boundary), so a short epoch still ramps up.
+
+    constant=True gives the rate after the warm-up at every step (benchmark mode: a throughput figure
+    must not depend on where the warm-up is).
     """
-    return WarmupPiecewiseConstant(
-        init_value=train_config.init_learning_rate * global_batch_size,
-        boundaries=[round(b * steps_per_epoch) for b in train_config.learning_rate_boundaries],
-        values=[v * global_batch_size for v in train_config.learning_rate_values],
-    )
+    scale = global_batch_size / train_config.learning_rate_batch_size
+    values = [v * scale for v in train_config.learning_rate_values]
+    if constant:
+        return WarmupPiecewiseConstant(values[0], [0], values[:1])
+    boundaries = [round(b * steps_per_epoch) for b in train_config.learning_rate_boundaries]
+    warmup_end = max(boundaries[0], train_config.warmup_min_steps)
+    boundaries[0] = min(warmup_end, boundaries[1]) if len(boundaries) > 1 else warmup_end
+    return WarmupPiecewiseConstant(train_config.init_learning_rate * scale, boundaries, values)

@@ -57,7 +57,7 @@ class Trainer:
     """
 
     def __init__(self, config, world=SINGLE_PROCESS):
-        self.config = config
+        config = self.config = config.resolved()
         train, runtime = config.train, config.runtime
         if train.seed is not None:
             keras.utils.set_random_seed(train.seed)
@@ -76,8 +76,11 @@ class Trainer:
                     f"{self.global_batch_size} images: lower --train_batch_size or --accumulate_steps"
                 )
         self.total_steps = train.epochs * self.steps_per_epoch
-        self.schedule = learning_rate_schedule(train, self.steps_per_epoch, self.global_batch_size)
-        optimizer = keras.optimizers.SGD(self.schedule, momentum=train.momentum)
+        self.schedule = learning_rate_schedule(train, self.steps_per_epoch, self.global_batch_size,
+                                               constant=runtime.benchmark)
+        # Keras clips inside apply: after the LossScaleOptimizer has unscaled and after the allreduce.
+        optimizer = keras.optimizers.SGD(self.schedule, momentum=train.momentum,
+                                         global_clipnorm=train.clip_grad_norm)
         if self.policy == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         self.model = build_model(config)
@@ -177,6 +180,11 @@ class Trainer:
         # Where to resume is known only after restoring, which needs built variables: peek one batch first.
         first = next(iter(self.dataset(0)))
         start = self._restore_or_initialise(first, logger)
+        if start == 0 and self.world.is_chief:
+            notice = self._initialisation_notice()
+            if notice:
+                print(f"[train] {notice}", flush=True)
+                logger.event("notice", echo=False, message=notice)
         logger.event("start", echo=False, config=config.to_dict(), policy=self.policy,
                      steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, start_step=start,
                      global_batch_size=self.global_batch_size)
@@ -244,13 +252,36 @@ class Trainer:
                   f"(rank 0..{self.num_workers - 1}: {rates})", flush=True)
             logger.event("benchmark workers", echo=False, workers=self.num_workers, per_worker_img_per_s=per_worker)
 
+    def _initialisation_notice(self):
+        """One line on how batch norm and the first blocks train in a new run without pretrained weights
+        (the rule of Config.resolved, or a setting that defies it), else None."""
+        model = self.config.model
+        if self.config.pretrained():
+            return None
+        if model.freeze_bn:
+            return ("warning: batch norm is frozen (model.freeze_bn=true) without pretrained weights: it is then "
+                    "the identity and a deep ResNet trained from scratch is likely to diverge (drop the override, "
+                    "or give --backbone_checkpoint)")
+        frozen = f"blocks {list(model.freeze_blocks)} frozen" if model.freeze_blocks else "no block frozen"
+        return (f"no pretrained weights: training from scratch with batch norm on batch statistics and {frozen} "
+                "(--backbone_checkpoint keeps the seeds' frozen batch norm and blocks [0, 1]; "
+                "--config_override model.freeze_bn / model.freeze_blocks set them)")
+
     def _check_finite(self, step, values):
         if all(math.isfinite(v) for v in values.values()):
             return
         if self.policy == "mixed_float16":
             return  # the LossScaleOptimizer skipped this update and lowered its scale
         terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        raise NonFiniteLossError(f"non-finite loss at step {step} ({terms}); no checkpoint was written for it")
+        if self.config.model.freeze_bn and not self.config.pretrained():
+            cause = ("likely cause: batch norm is frozen (model.freeze_bn=true) without pretrained weights, so it is "
+                     "the identity and the randomly initialised ResNet's activations explode; train it with "
+                     "--finetune_bn or load --backbone_checkpoint")
+        else:
+            cause = ("lower the learning rate (--learning_rate_values), lengthen the warm-up "
+                     "(train.warmup_min_steps) or clip the gradients (--clip_grad_norm)")
+        raise NonFiniteLossError(f"non-finite loss at step {step} ({terms}); no checkpoint was written for it; "
+                                 f"{cause}")
 
     def _log_metrics(self, logger, step, last, window, step_times, timer_start):
         means = {name: float(np.mean([w[name] for w in window])) for name in window[0]}
