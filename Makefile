@@ -10,5 +10,8 @@ demo:
 	@SETUP_HOROVOD=0 bash scripts/setup.sh
 	@.venv/bin/python scripts/demo.py
 
+# The suite with oneDNN's kernels, as main.py runs it, then the tests marked onednn (pytest.ini) again with
+# TensorFlow's own kernels: TensorFlow's default on CPUs without AVX512-VNNI, AVX512-BF16 or AMX.
 test: setup
-	@.venv/bin/python -m pytest
+	@TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python -m pytest
+	@TF_ENABLE_ONEDNN_OPTS=0 .venv/bin/python -m pytest -m onednn

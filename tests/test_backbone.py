@@ -46,6 +46,7 @@ def bn_layers(model):
 @pytest.mark.parametrize("kernel_size,strides,with_residual", [(1, 1, False), (1, 2, False), (3, 1, True),
                                                                (3, 2, False), (7, 2, False)])
 @pytest.mark.parametrize("training", [False, True])
+@pytest.mark.onednn  # the conv's numbers are oneDNN's or TensorFlow's
 def test_conv_bn_matches_numpy_reference(rng, kernel_size, strides, with_residual, training):
     x = rng.normal(size=(2, 9, 10, 4)).astype(np.float32)
     layer = ConvBN(5, kernel_size, strides, name="unit")
@@ -98,6 +99,7 @@ def test_resnet50_v1_has_keras_applications_parameters_and_names(keras_resnet50)
     assert ours == theirs
 
 
+@pytest.mark.onednn
 def test_resnet50_v1_computes_keras_applications_features(keras_resnet50, rng):
     """With keras.applications' weights (conv biases folded into the BN mean) C2..C5 match its group outputs."""
     for layer in bn_layers(keras_resnet50):

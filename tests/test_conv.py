@@ -8,6 +8,8 @@ import tensorflow as tf
 from mrcnn_tf2.model.backbone import Conv2D
 from mrcnn_tf2.ops import conv as conv_ops
 
+pytestmark = pytest.mark.onednn  # the routes that conv_ops.ONEDNN picks, and the kernels under them
+
 # (kernel size, stride, padding, input height, input width): the convs of the model (3x3 'SAME', 1x1,
 # strided 1x1 'VALID', the stem's 7x7/2 and the 3x3/2 with symmetric explicit padding) on odd sizes, and
 # the stride-1 paddings that kernel_gradient handles (even kernels pad one pixel more after than before).
@@ -45,8 +47,11 @@ def test_conv2d_matches_tensorflow(kernel_size, stride, padding, height, width):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size():
-    """Shapes known only at run time (the model's tf.function with dynamic image batches)."""
+@pytest.mark.parametrize("onednn", [False, True])
+def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size(monkeypatch, onednn):
+    """Shapes known only at run time (the model's tf.function with dynamic image batches), through the direct
+    conv and through oneDNN's batch-of-one route, whatever the test process's kernels."""
+    monkeypatch.setattr(conv_ops, "ONEDNN", onednn)
     rng = np.random.default_rng(0)
     w = tf.constant(rng.normal(size=(3, 3, 3, 2)), tf.float32)
 
@@ -57,11 +62,12 @@ def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size():
             loss = tf.reduce_sum(conv_ops.conv2d(x, w, 1, "SAME") ** 2)
         return tape.gradient(loss, w)
 
-    x = tf.constant(rng.normal(size=(3, 10, 7, 3)), tf.float32)
-    with tf.GradientTape() as tape:
-        tape.watch(w)
-        loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
-    np.testing.assert_allclose(kernel_grad(x).numpy(), tape.gradient(loss, w).numpy(), rtol=1e-4, atol=1e-3)
+    for batch in (3, 1):
+        x = tf.constant(rng.normal(size=(batch, 10, 7, 3)), tf.float32)
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
+        np.testing.assert_allclose(kernel_grad(x).numpy(), tape.gradient(loss, w).numpy(), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("kernel_size,activation,residual", [(3, "relu", False), (1, None, True)])
@@ -103,14 +109,19 @@ def test_transposed_conv2d_is_the_conv(kernel_size):
     (1, 2, "VALID", 12),  # the halves are a reshape of the rows
     (1, 3, "VALID", 12),
     (7, 2, [[0, 0], [3, 3], [3, 3], [0, 0]], 15),
-    (3, 1, "VALID", 2),  # a single output row
+    (3, 2, "VALID", 3),  # a single output row
+    (3, 1, "VALID", 2),  # no output row: under oneDNN, Conv2D's output would be shaped like its input
+    (3, 2, "VALID", 1),
 ])
 def test_split_conv2d_is_the_conv(kernel_size, stride, padding, height):
-    """The batch-of-one route of strided convs under oneDNN, checked whatever the test process's kernels."""
+    """The batch-of-one route of strided convs under oneDNN, checked whatever the test process's kernels.
+
+    The reference is the float64 conv: TensorFlow's own kernel with oneDNN on or off (oneDNN has no float64
+    conv, and its float32 one mis-shapes an empty output)."""
     rng = np.random.default_rng(height)
     x = tf.constant(rng.normal(size=(1, height, 11, 5)), tf.float32)
     w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
-    want = tf.nn.conv2d(x, w, stride, padding)
+    want = tf.nn.conv2d(tf.cast(x, tf.float64), tf.cast(w, tf.float64), stride, padding)
     got = conv_ops.split_conv2d(x, w, stride, padding)
     assert got.shape == want.shape
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)

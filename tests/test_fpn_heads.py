@@ -134,6 +134,8 @@ def run_stack(stack, images, training):
     return features, outputs
 
 
+# The stack runs on a batch of one image: conv_ops.conv2d's oneDNN routes with oneDNN on, the direct conv without.
+@pytest.mark.onednn
 @pytest.mark.parametrize("name", ["backbone", "fpn", "rpn_head", "box_head", "mask_head"])
 def test_config_round_trip(rng, name):
     stack = build_stack(stride_in_1x1=True, freeze_bn=False, freeze_blocks=(0,))
@@ -163,6 +165,7 @@ def mixed_bfloat16():
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.onednn
 def test_mixed_bfloat16_stack_computes_in_bfloat16_and_heads_return_float32(rng, mixed_bfloat16):
     stack = build_stack()
     images = rng.normal(size=(1, 64, 64, 3)).astype(np.float32)
@@ -174,6 +177,7 @@ def test_mixed_bfloat16_stack_computes_in_bfloat16_and_heads_return_float32(rng,
         assert np.isfinite(output.numpy()).all()
 
 
+@pytest.mark.onednn
 @pytest.mark.parametrize("freeze_bn,freeze_blocks", [(True, (0, 1)), (False, ())])
 def test_gradients_reach_every_trainable_variable(rng, freeze_bn, freeze_blocks):
     stack = build_stack(freeze_bn=freeze_bn, freeze_blocks=freeze_blocks)

@@ -113,6 +113,7 @@ def test_factory_passes_the_choice_to_the_stages():
 
 # -- 3x3 convolution (Winograd) ----------------------------------------------------------------------------
 
+@pytest.mark.onednn  # the reference conv, and the matrix products between the transforms, are oneDNN's or not
 @pytest.mark.parametrize("shape, out_channels", [
     ((1, 9, 13, 5), 7),  # sides not multiples of the 4x4 output block
     ((2, 8, 8, 70), 3),  # channels past one of the kernels' 64-channel blocks
@@ -132,6 +133,7 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
     np.testing.assert_array_equal(dynamic(x, w).numpy(), got.numpy())
 
 
+@pytest.mark.onednn
 def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     """A batch whose transformed tiles exceed the part size goes in nearly equal parts; same result."""
     x = tf.constant(rng.normal(size=(5, 8, 8, 3)), tf.float32)
@@ -143,6 +145,7 @@ def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     np.testing.assert_array_equal(split(x, w).numpy(), whole)
 
 
+@pytest.mark.onednn
 def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
     """conv_ops.conv2d(fused=True): Winograd for the forward and the input gradient; tf.nn.conv2d's values."""
     monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # the route at this small size too
@@ -162,6 +165,7 @@ def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
                                    err_msg=name)
 
 
+@pytest.mark.onednn  # conv_ops.conv2d's choice among its routes, oneDNN's among them
 def test_conv2d_takes_winograd_only_where_it_pays(monkeypatch):
     """Float32 3x3 stride-1 'SAME' convs of at least WINOGRAD_MIN_TILES 4x4 blocks, or of unknown size."""
     calls = []
@@ -562,6 +566,7 @@ def test_evaluation_encodes_with_the_fused_op_unless_ops_are_off(rng):
 # -- the whole model -----------------------------------------------------------------------------------------
 
 def losses_and_gradients(config, batch, mode):
+    """(losses, gradients) of a train step with `--custom_ops mode`."""
     config.runtime.custom_ops = mode
     keras.utils.set_random_seed(0)
     model = build_model(config)
@@ -571,6 +576,7 @@ def losses_and_gradients(config, batch, mode):
     return {k: float(v) for k, v in losses.items()}, [tf.convert_to_tensor(g).numpy() for g in grads]
 
 
+@pytest.mark.onednn  # the twins' convs and matrix products are oneDNN's or TensorFlow's
 def test_train_step_with_fused_ops_equals_twins():
     config = small_config()
     batch = synthetic_batch(config)

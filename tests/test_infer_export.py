@@ -277,6 +277,7 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.onednn  # the exported graph holds the batch-of-one routes that oneDNN takes
 def test_saved_model_runs_in_a_fresh_process_and_equals_in_process_inference(tmp_path, exported, in_process, photo):
     np.save(tmp_path / "image.npy", photo[None])
     Image.fromarray(photo).save(tmp_path / "image.png")  # lossless: the same pixels after decoding

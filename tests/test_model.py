@@ -19,7 +19,10 @@ LOSS_KEYS = {"loss_rpn_score", "loss_rpn_box", "loss_fast_rcnn_class", "loss_fas
 
 
 def small_config():
+    """A small ResNet-18 model with the seeds' frozen batch norm and first blocks (as with a pretrained
+    backbone): the component tests compare steps whose batch statistics would amplify float rounding."""
     config = Config()
+    config.model.freeze_bn, config.model.freeze_blocks = True, (0, 1)
     config.model.backbone = "resnet18"
     config.model.num_classes = NUM_CLASSES
     config.model.fast_rcnn_mlp_head_dim = 64
@@ -198,20 +201,26 @@ def test_checkpoint_holds_every_weight_and_restores_predictions(config, batch, t
                                   restored.predict_step(batch)["detection_scores"].numpy())
 
 
-def test_xla_compiles_the_dense_layers_and_gives_the_same_step(batch):
+def xla_step(batch, xla):
+    """(model, losses, gradients, detection scores): a train step's and a predict step's, --xla on or off."""
     config = small_config()
+    config.runtime.xla = xla
+    keras.utils.set_random_seed(0)
+    model = build_model(config)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    model(batch, training=True)  # builds every layer: later calls take the compiled path
+    keras.utils.set_random_seed(1)  # the same RoI sampling draws in both runs
+    losses, grads = model.compute_gradients(batch)
+    detections = model.predict_step(batch)
+    return (model, {k: float(v) for k, v in losses.items()}, [tf.convert_to_tensor(g).numpy() for g in grads],
+            detections["detection_scores"].numpy())
+
+
+@pytest.mark.onednn  # XLA's kernels against oneDNN's or TensorFlow's
+def test_xla_compiles_the_dense_layers_and_gives_the_same_step(batch):
     results = {}
     for xla in (False, True):
-        config.runtime.xla = xla
-        keras.utils.set_random_seed(0)
-        model = build_model(config)
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
-        model(batch, training=True)  # builds every layer: later calls take the compiled path
-        keras.utils.set_random_seed(1)  # the same RoI sampling draws in both runs
-        losses, grads = model.compute_gradients(batch)
-        detections = model.predict_step(batch)
-        results[xla] = ({k: float(v) for k, v in losses.items()}, [tf.convert_to_tensor(g).numpy() for g in grads],
-                        detections["detection_scores"].numpy())
+        model, *results[xla] = xla_step(batch, xla)
         compiled = {(name, training) for name in ("backbone", "fpn", "rpn_head", "box_head", "mask_head")
                     for training in (True, False) if (id(getattr(model, name)), training) in model._compiled_layers}
         assert len(compiled) == (10 if xla else 0), compiled

@@ -1,10 +1,12 @@
 """scripts/profile_step.py: op events read back from a real profile, and their grouping by model stage."""
 
+import pytest
 import tensorflow as tf
 
 from scripts import profile_step
 
 
+@pytest.mark.onednn  # the kernels' names in the profile are oneDNN's or TensorFlow's
 def test_op_events_are_read_from_a_profile(tmp_path):
     @tf.function
     def step(x):
@@ -31,3 +33,15 @@ def test_ops_are_grouped_by_the_layer_scope_else_by_type():
     assert profile_step.stage_of("MrcnnRoiAlignGrad", "MrcnnRoiAlignGrad") == "other: MrcnnRoiAlignGrad"
     # A scope that only starts like a layer's name is not that layer.
     assert profile_step.stage_of("fpn_output/x", "Conv2D") == "other: Conv2D"
+
+
+def test_onednn_kernels_are_read_as_the_ops_they_replace():
+    """The names that TF_ENABLE_ONEDNN_OPTS=1 gives the kernels (those of a train step among them)."""
+    for kernel, op in [("_MklMatMul", "MatMul"), ("_MklNativeConv2D", "Conv2D"),
+                       ("_MklNativeConv2DBackpropInput", "Conv2DBackpropInput"),
+                       ("_MklNativeConv2DBackpropFilterWithBias", "Conv2DBackpropFilter"),
+                       ("_MklNativeFusedConv2D", "_FusedConv2D"), ("_MklNativeFusedMatMul", "_FusedMatMul"),
+                       ("_MklNativePadWithFusedConv2D", "_FusedConv2D"), ("_MklEinsum", "Einsum"),
+                       ("_MklNativeFusedBatchNormV3", "FusedBatchNormV3"), ("_MklLayerNorm", "_MklLayerNorm"),
+                       ("Conv2D", "Conv2D"), ("_FusedMatMul", "_FusedMatMul"), ("MrcnnRoiAlign", "MrcnnRoiAlign")]:
+        assert profile_step.op_type(kernel) == op, kernel

@@ -112,6 +112,15 @@ def split_conv2d(inputs, kernel, strides, padding):
         inputs = tf.pad(inputs, padding)
     kh = kernel.shape[0]
     rows = inputs.shape[1]  # static or None
+    static_hw = [None if n is None else (n - k) // strides + 1 for n, k in zip(inputs.shape[1:3], kernel.shape[:2])]
+    if 0 in static_hw:
+        # An image shorter or narrower than the kernel: an empty output, nothing to compute. oneDNN's Conv2D
+        # would return a tensor shaped like its input instead (TensorFlow's MklConvOp allocates an empty
+        # output with the input's shape), which the halves' reshape or concat below cannot take.
+        out_hw = (tf.shape(inputs)[1:3] - kernel.shape[:2]) // strides + 1
+        outputs = tf.zeros(tf.concat([[1], out_hw, [kernel.shape[3]]], 0), inputs.dtype)
+        outputs.set_shape([1, *static_hw, kernel.shape[3]])
+        return outputs
     out_h = (tf.shape(inputs)[1] - kh) // strides + 1
     half = (out_h + 1) // 2
     if rows is not None and rows % (2 * strides) == 0 and kh <= strides:
@@ -122,7 +131,7 @@ def split_conv2d(inputs, kernel, strides, padding):
         bottom = (out_h - half) * strides  # the bottom half's first input row; for an odd H_out it repeats a row
         halves = tf.concat([inputs[:, :span], inputs[:, bottom:bottom + span]], 0)
     halves = tf.nn.conv2d(halves, kernel, strides, "VALID")  # [2, half, W_out, C_out]
-    static_out_h = None if rows is None else (rows - kh) // strides + 1
+    static_out_h = static_hw[0]
     if static_out_h is not None and static_out_h % 2 == 0:  # the halves' rows in order: a reshape, no copy
         outputs = tf.reshape(halves, [1, static_out_h, tf.shape(halves)[2], kernel.shape[3]])
     else:
