@@ -56,8 +56,9 @@ The checks run in this order and the first that drops an annotation ends its che
 were all dropped are kept as negatives, unless --skip_empty, which skips every image left without a non-crowd
 instance (not a warning: counted in the summary line).
 
-This module converts data only: it must not depend on the model package, and TensorFlow is imported only by
-the process that writes the shards (workers decode and check images with Pillow and pycocotools).
+This module converts data only: of the package it imports mrcnn_tf2.data.coco_io alone, and TensorFlow is
+imported only by the process that writes the shards (workers decode and check images with Pillow and
+pycocotools).
 """
 
 import argparse
@@ -75,11 +76,7 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-if __package__ in (None, ""):
-    # Run as a script (python dataset/create_coco_tf_record.py): make the repository root importable.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dataset.coco_io import encode_jpeg, temporary_path, write_json_atomically  # noqa: E402
+from mrcnn_tf2.data.coco_io import encode_jpeg, temporary_path, write_json_atomically
 
 SHARD_NAME = "{tag}-{index:05d}-of-{count:05d}.tfrecord"
 WARNINGS_NAME = "{tag}_warnings.json"

@@ -33,7 +33,8 @@ the validation images. Every file is written under a temporary name and renamed 
 annotation file is removed before its images are (re)written and written last, so an interrupted run never
 leaves an annotation file that looks complete.
 
-This module generates data only: it must not depend on TensorFlow or on the model package.
+This module generates data only: it must not depend on TensorFlow; of the package it imports
+mrcnn_tf2.data.coco_io alone.
 """
 
 import argparse
@@ -44,11 +45,7 @@ import sys
 import numpy as np
 from PIL import Image
 
-if __package__ in (None, ""):
-    # Run as a script (python dataset/make_shapes_dataset.py): make the repository root importable.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dataset.coco_io import encode_jpeg, write_bytes_atomically, write_json_atomically  # noqa: E402
+from mrcnn_tf2.data.coco_io import encode_jpeg, write_bytes_atomically, write_json_atomically
 
 # Category names; the category id of CATEGORIES[i] is i + 1.
 CATEGORIES = ("circle", "square", "triangle", "star", "ring")

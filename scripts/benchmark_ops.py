@@ -10,17 +10,14 @@ compare conv_ops.conv2d's Winograd route with its route when the ops are off, un
 """
 import argparse
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as main.py
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from mrcnn_tf2.evaluation import coco_metrics  # noqa: E402
 from mrcnn_tf2.ops import anchors as anchor_ops  # noqa: E402
 from mrcnn_tf2.ops import conv as conv_ops  # noqa: E402
 from mrcnn_tf2.ops import fused, masks, roi_align, roi_ops  # noqa: E402
@@ -125,7 +122,7 @@ def paste_case(rng):
     boxes = random_boxes(rng, (100,), (800, 1333), 16.0, 400.0)
     probs = rng.uniform(size=(100, 28, 28)).astype(np.float32)
     return ("paste + RLE-encode 100 masks into 800x1333, threshold 0.5",
-            lambda: coco_metrics.encode_pasted_masks(probs, boxes, (800, 1333), 0.5),
+            lambda: masks.encode_pasted_masks(probs, boxes, (800, 1333), 0.5),
             lambda: fused.encode_pasted_masks(probs, boxes, (800, 1333), 0.5))
 
 

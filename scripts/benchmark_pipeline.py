@@ -9,24 +9,37 @@ first. Prints one line: img/s over the timed batches, after warm-up.
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mrcnn_tf2.config import Config
+from mrcnn_tf2.data.pipeline import InputPipeline
 
-from dataset.create_coco_tf_record import convert_coco  # noqa: E402
-from dataset.make_shapes_dataset import make_shapes_dataset  # noqa: E402
-from mrcnn_tf2.config import Config  # noqa: E402
-from mrcnn_tf2.data.pipeline import InputPipeline  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_dataset_tool(script, *args):
+    """Runs `python dataset/<script> args` of this checkout; exits with its output when it fails.
+
+    The dataset tools are scripts beside the package, not part of it: like the demo, run them rather than
+    import them.
+    """
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "dataset", script), *args],
+                            capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"dataset/{script} failed (exit status {result.returncode}):\n{result.stdout}{result.stderr}")
 
 
 def generated_records(directory, num_images):
     """Writes num_images shapes images of COCO's typical size as 8 TFRecord shards; returns their pattern."""
-    make_shapes_dataset(directory, num_train=num_images, num_val=0, seed=0, image_size=(480, 640))
+    run_dataset_tool("make_shapes_dataset.py", "--output_dir", directory, "--num_train", str(num_images),
+                     "--num_val", "0", "--seed", "0", "--image_size", "480", "640")
     output = os.path.join(directory, "tfrecords")
-    convert_coco(os.path.join(directory, "train"), os.path.join(directory, "annotations", "instances_train.json"),
-                 output, tag="train", num_shards=8, progress=False)
+    run_dataset_tool("create_coco_tf_record.py", "--image_dir", os.path.join(directory, "train"),
+                     "--annotations_file", os.path.join(directory, "annotations", "instances_train.json"),
+                     "--output_dir", output, "--tag", "train", "--num_shards", "8")
     return os.path.join(output, "train-*.tfrecord")
 
 

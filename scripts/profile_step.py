@@ -21,6 +21,7 @@ Op times are summed over both threads of the CPU pool, so their total can exceed
 
 import argparse
 import collections
+import functools
 import glob
 import os
 import re
@@ -28,12 +29,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as main.py: profile the kernels that main.py runs
 
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.framework import op_def_registry  # noqa: E402
 from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
 
 from mrcnn_tf2.arguments import check_inputs, parse  # noqa: E402
@@ -44,6 +44,11 @@ LAYERS = {"res_net": "backbone", "fpn": "fpn", "rpn_head": "rpn_head", "box_head
           "mask_head": "mask_head"}
 WARMUP_STEPS = 2
 OP_EVENT = re.compile(r"^(?P<name>[^:]+):(?P<type>\w+)$")
+# oneDNN (TF_ENABLE_ONEDNN_OPTS=1, main.py's setting) runs its kernels in place of the graph's ops under
+# their own op types: "_Mkl" or "_MklNative" before the op's type (_MklMatMul, _MklNativeConv2D), or before
+# that of a grappler fusion without its underscore (_MklNativeFusedConv2D for _FusedConv2D), and its own
+# fusions add "PadWith" (a Pad before a conv) or "WithBias" (BiasAddGrad in a kernel gradient).
+ONEDNN_KERNEL = re.compile(r"^_Mkl(?:Native)?(?P<type>\w+)$")
 
 
 def train_step(config):
@@ -86,7 +91,22 @@ def op_events(logdir):
                 # "ThreadpoolListener::Record") have a double colon.
                 match = OP_EVENT.match(plane.event_metadata[event.metadata_id].name)
                 if match:
-                    yield match["name"], match["type"], event.duration_ps * 1e-12
+                    yield match["name"], op_type(match["type"]), event.duration_ps * 1e-12
+
+
+@functools.lru_cache(maxsize=None)
+def op_type(kernel):
+    """The op type that a kernel's event stands for: oneDNN's kernels by the op they replace (ONEDNN_KERNEL),
+    so that a profile reads the same with oneDNN on or off."""
+    match = ONEDNN_KERNEL.match(kernel)
+    if not match:
+        return kernel
+    kind = match["type"]
+    for candidate in (kind, re.sub(r"^PadWith|WithBias$", "", kind)):
+        for op in (candidate, "_" + candidate):
+            if op_def_registry.get(op) is not None:
+                return op
+    return kernel  # oneDNN's own op (_MklLayerNorm, _MklFusedMish...): no other name
 
 
 def stage_of(name, kind):

@@ -20,6 +20,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
+# The package, editable: `mrcnn_tf2` importable from any directory, the `mrcnn-tf2` command in $VENV/bin.
+# Without build isolation and dependencies nothing is downloaded: the build backend is the venv's setuptools
+# (pinned in requirements.txt), and the requirements are installed above.
+stamp="$VENV/.package.sha256"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$VENV/bin/mrcnn-tf2" ]; then
+  echo "[setup] installing the package (editable) into $VENV"
+  if ! "$VENV/bin/python" -c "import setuptools" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$(grep -E '^setuptools==' requirements.txt)"
+  fi
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+  echo "$want" > "$stamp"
+fi
 # Fused C++ ops (ops/build/libmrcnn_ops.so); ops/build.sh keeps its own stamp of sources + TF version.
 bash ops/build.sh "$VENV/bin/python"
 # Horovod from its sdist with the project's patch (horovodrun --gloo; MPI too when mpicxx is present).

@@ -1,9 +1,11 @@
-"""Shared pytest set-up: quiet TensorFlow, the repository root importable, fixed seeds."""
+"""Shared pytest set-up: quiet TensorFlow, fixed seeds.
+
+The tests import the repository's top-level main.py, dataset/, weights/, scripts/ and tests/ modules:
+pytest.ini's `pythonpath = .` puts the repository root on sys.path (the package itself is installed, editable).
+"""
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -4,6 +4,9 @@ python tests/distributed_records.py PATTERN COUNT OUT_DIR.
 Each rank builds the training input of PATTERN as `Trainer.dataset` does (its rank as shard index, the
 world size as shard count; augmentation off, seed fixed), reads COUNT batches of one image and writes
 their source ids to OUT_DIR/rank<r>.json.
+
+It imports its test helpers as siblings (Python puts the directory of the script it runs first on sys.path),
+so that it runs from any directory.
 """
 
 import json
@@ -11,11 +14,10 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mrcnn_tf2.data.pipeline import InputPipeline  # noqa: E402
 from mrcnn_tf2.runtime.distributed import init_world  # noqa: E402
-from tests.test_pipeline import make_config  # noqa: E402
+from test_pipeline import make_config  # noqa: E402
 
 
 def main(pattern, count, out_dir):

@@ -4,13 +4,15 @@ Each rank builds the Trainer of `sync_config` with its own seed (so the weights 
 broadcast), takes its image of the fixed two-image batch (rank r: image r), runs STEPS updates and writes
 OUT_DIR/rank<r>.npz: the trainable weights after the broadcast (`initial_<i>`) and after the updates
 (`final_<i>`), in model.trainable_variables order.
+
+It imports its test helpers as siblings (Python puts the directory of the script it runs first on sys.path),
+so that it runs from any directory; test_distributed imports it, and pytest puts tests/ on sys.path too.
 """
 
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -18,8 +20,8 @@ import tensorflow as tf  # noqa: E402
 from mrcnn_tf2.runtime.distributed import init_world  # noqa: E402
 from mrcnn_tf2.runtime.logger import RunLogger  # noqa: E402
 from mrcnn_tf2.runtime.train import Trainer  # noqa: E402
-from tests.test_model import small_config, synthetic_batch  # noqa: E402
-from tests.test_train import equally_weighted_config  # noqa: E402
+from test_model import small_config, synthetic_batch  # noqa: E402
+from test_train import equally_weighted_config  # noqa: E402
 
 
 def sync_config(batch_size, seed, model_dir):

@@ -15,8 +15,8 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
 from dataset import create_coco_tf_record as converter
-from dataset.coco_io import encode_jpeg
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
+from mrcnn_tf2.data.coco_io import encode_jpeg
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
 # compared separately so that no unexpected key slips in.

@@ -19,7 +19,9 @@ from mrcnn_tf2.runtime import precision
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
-from tests.test_model import small_config, synthetic_batch
+# As a sibling, not tests.test_model: tests/distributed_sync.py imports this module when horovodrun runs it as
+# a script, where only tests/ is on sys.path.
+from test_model import small_config, synthetic_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A ResNet-18 Mask R-CNN at 128x128 with small heads: a step takes a fraction of a second here.

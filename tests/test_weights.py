@@ -1,4 +1,5 @@
-"""Tests of weights/convert_keras_resnet.py: keras.applications ResNet-50 weights -> backbone checkpoint."""
+"""Tests of weights/convert_keras_resnet.py (keras.applications ResNet-50 weights -> backbone checkpoint) and of
+mrcnn_tf2.model.pretrained, which checks such a checkpoint's metadata before training."""
 import json
 import os
 
@@ -9,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.config import ConfigError, ModelConfig
-from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, IMAGENET_STD
 from mrcnn_tf2.model.backbone import ResNet
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, check_backbone_metadata
 from weights import convert_keras_resnet as conv
 
 SIDE = 64
@@ -106,7 +107,7 @@ def test_cli_writes_complete_checkpoint_for_pipeline_input(keras_resnet, tmp_pat
         metadata = json.load(f)
     assert metadata == {"backbone": "resnet50", "stride_in_1x1": True, "source": os.path.basename(path),
                         "input_mean_rgb": list(IMAGENET_MEAN), "input_std_rgb": list(IMAGENET_STD)}
-    assert conv.check_backbone_metadata(prefix, ModelConfig(stride_in_1x1=True)) == metadata
+    assert check_backbone_metadata(prefix, ModelConfig(stride_in_1x1=True)) == metadata
 
     # The pipeline's normalisation differs from keras' caffe input: the stem must give keras' conv1 output
     # wherever its 7x7 window (3 pixels each side at stride 2) stays inside the image.
@@ -183,14 +184,14 @@ def test_bad_input_files_fail_naming_the_file(keras_resnet, tmp_path, capsys):
 
 def test_check_backbone_metadata_names_the_mismatched_setting(tmp_path):
     prefix = str(tmp_path / "resnet50")
-    assert conv.check_backbone_metadata(prefix, ModelConfig()) is None  # no PREFIX.json: nothing to check
+    assert check_backbone_metadata(prefix, ModelConfig()) is None  # no PREFIX.json: nothing to check
     metadata = {"backbone": "resnet50", "stride_in_1x1": True, "source": "x.h5",
                 "input_mean_rgb": list(IMAGENET_MEAN), "input_std_rgb": list(IMAGENET_STD)}
 
     def check(config, **changes):
         with open(f"{prefix}.json", "w") as f:
             json.dump({**metadata, **changes}, f)
-        return conv.check_backbone_metadata(prefix, config)
+        return check_backbone_metadata(prefix, config)
 
     assert check(ModelConfig(backbone="resnet50", stride_in_1x1=True))["source"] == "x.h5"
     with pytest.raises(ConfigError) as err:
@@ -205,4 +206,4 @@ def test_check_backbone_metadata_names_the_mismatched_setting(tmp_path):
     with open(f"{prefix}.json", "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match="resnet50.json: unreadable"):
-        conv.check_backbone_metadata(prefix, ModelConfig())
+        check_backbone_metadata(prefix, ModelConfig())

@@ -11,8 +11,9 @@ exactly the conv and batch-norm layers of the chosen depth (a classifier top is 
 Output: a TF checkpoint of `tf.train.Checkpoint(backbone=ResNet(depth, stride_in_1x1=True))` at PREFIX
 (PREFIX.index, PREFIX.data-*), read by the trainer with `--backbone_checkpoint PREFIX`, and PREFIX.json:
 {"backbone": "resnet50", "stride_in_1x1": true, "source": <file name>, "input_mean_rgb": [...],
-"input_std_rgb": [...]}. Everything is written under a temporary prefix and renamed at the end, the index last,
-so a checkpoint that can be read is complete.
+"input_std_rgb": [...]} (`mrcnn_tf2.model.pretrained.backbone_metadata`; the trainer checks it with that
+module's `check_backbone_metadata`). Everything is written under a temporary prefix and renamed at the end,
+the index last, so a checkpoint that can be read is complete.
 
 Conventions of the conversion (all exact, up to float32 rounding):
   - keras.applications is ResNet v1 (stride in a block's first 1x1 conv): the backbone is built with
@@ -34,19 +35,13 @@ import os
 import sys
 import uuid
 
+import h5py
+import keras
 import numpy as np
+import tensorflow as tf
 
-if __package__ in (None, ""):
-    # Run as a script (python weights/convert_keras_resnet.py): make the repository root importable.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import h5py  # noqa: E402
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from mrcnn_tf2.config import ConfigError  # noqa: E402
-from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
-from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet  # noqa: E402
+from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, backbone_metadata
 
 KERAS_RESNETS = {50: keras.applications.ResNet50, 101: keras.applications.ResNet101}
 # keras.applications.imagenet_utils 'caffe' mode subtracts this mean from BGR pixels; listed here in RGB order.
@@ -250,51 +245,8 @@ def convert_file(path, prefix, depth=50):
     expected = expected_layer_names(ResNet(depth, stride_in_1x1=True))
     keras_model = load_keras_resnet(path, depth, expected)
     resnet = convert_keras_resnet(keras_model, depth, path)
-    metadata = {
-        "backbone": f"resnet{depth}",
-        "stride_in_1x1": True,
-        "source": os.path.basename(path),
-        "input_mean_rgb": list(IMAGENET_MEAN),
-        "input_std_rgb": list(IMAGENET_STD),
-    }
+    metadata = backbone_metadata(depth, os.path.basename(path))
     write_checkpoint(resnet, prefix, metadata)
-    return metadata
-
-
-def check_backbone_metadata(checkpoint_prefix, model_config):
-    """Checks that a converted backbone checkpoint suits the model config, before the trainer loads it.
-
-    Args:
-      checkpoint_prefix: the --backbone_checkpoint prefix; its PREFIX.json is read when present.
-      model_config: mrcnn_tf2.config.ModelConfig (reads .backbone and .stride_in_1x1).
-
-    Returns:
-      The metadata dict, or None when the checkpoint has no PREFIX.json (nothing to check).
-
-    Raises:
-      ConfigError (a ValueError) with key '--backbone' or 'model.stride_in_1x1' on a mismatch; ValueError
-      naming the file when PREFIX.json is unreadable or the checkpoint expects another input normalisation.
-    """
-    path = f"{checkpoint_prefix}.json"
-    if not tf.io.gfile.exists(path):
-        return None
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            metadata = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: unreadable backbone metadata ({err})") from err
-    if metadata.get("backbone") != model_config.backbone:
-        raise ConfigError("--backbone", f"is {model_config.backbone}, but the backbone checkpoint {checkpoint_prefix} "
-                                        f"holds {metadata.get('backbone')}")
-    if bool(metadata.get("stride_in_1x1")) != model_config.stride_in_1x1:
-        value = str(bool(metadata.get("stride_in_1x1"))).lower()
-        raise ConfigError("model.stride_in_1x1", f"is {str(model_config.stride_in_1x1).lower()}, but the backbone "
-                                                 f"checkpoint {checkpoint_prefix} needs "
-                                                 f"--config_override model.stride_in_1x1={value}")
-    for key, values in (("input_mean_rgb", IMAGENET_MEAN), ("input_std_rgb", IMAGENET_STD)):
-        if key in metadata and not np.allclose(metadata[key], values):
-            raise ValueError(f"{path}: the backbone was converted for {key} {metadata[key]}, the input pipeline "
-                             f"uses {list(values)}; convert it again")
     return metadata
 
 

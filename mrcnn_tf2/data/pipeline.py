@@ -22,13 +22,11 @@ import functools
 import tensorflow as tf
 
 from mrcnn_tf2.data.decoder import decode_example
+# The normalisation the ImageNet-pretrained backbone expects (that module checks converted checkpoints too).
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import fused as fused_ops
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
-
-# Per-channel RGB mean and standard deviation of ImageNet, on the 0..255 scale.
-IMAGENET_MEAN = (123.675, 116.28, 103.53)
-IMAGENET_STD = (58.395, 57.12, 57.375)
 # Class id and mask value of a padded ground-truth slot (padded boxes are PADDING_BOX_VALUE).
 PADDING_CLASS = -1
 PADDING_MASK = -1.0

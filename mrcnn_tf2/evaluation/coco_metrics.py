@@ -17,11 +17,10 @@ import io
 import warnings
 
 import numpy as np
-from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from mrcnn_tf2.ops.masks import check_paste_arguments, paste_masks
+from mrcnn_tf2.ops.masks import encode_pasted_masks
 
 # The 12 statistics of COCOeval.summarize(), in its order.
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -56,39 +55,6 @@ def detections_to_coco(predictions, category_ids):
     results, dropped = convert_detections(predictions, category_ids)
     warn_dropped(dropped, category_ids)
     return results
-
-
-def check_encode_arguments(masks, boxes, image_hw, threshold):
-    """Validate ``encode_pasted_masks``' arguments (shared with its fused twin): ``paste_masks``' checks, and
-    a threshold is required.
-
-    Returns:
-      (masks [D, R, R] float32 array, boxes [D, 4] float32 array, height, width).
-    """
-    if threshold is None:
-        raise ValueError("threshold must be a finite number, got None.")
-    return check_paste_arguments(masks, boxes, image_hw, threshold)
-
-
-def encode_pasted_masks(masks, boxes, image_hw, threshold):
-    """COCO RLE of each mask pasted into the image and thresholded (NumPy and pycocotools).
-
-    Pasting the transposed problem (x for y) gives [D, w, h] in C order, which is the [h, w, D] Fortran
-    layout pycocotools encodes: no transposing copy of the D full-image masks. The fused twin,
-    ``ops.fused.encode_pasted_masks``, gives the same RLE without the full-image masks.
-
-    Args:
-      masks: [D, R, R] float32 probabilities relative to their box (``ops.masks.paste_masks``).
-      boxes: [D, 4] float32 [ymin, xmin, ymax, xmax] pixels, unclipped (the frames the masks were
-        predicted in); pasting clips them to the image.
-      image_hw: (h, w) ints; threshold: float, foreground where probability >= threshold.
-
-    Returns:
-      list of D dicts {'size': [h, w], 'counts': bytes}, pycocotools' compressed RLE.
-    """
-    masks, boxes, height, width = check_encode_arguments(masks, boxes, image_hw, threshold)
-    pasted = paste_masks(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold)
-    return mask_utils.encode(pasted.transpose(2, 1, 0))
 
 
 def convert_detections(predictions, category_ids, encode=encode_pasted_masks):

@@ -1,8 +1,7 @@
 """Fused C++ custom ops (``ops/build/libmrcnn_ops.so``) behind the signatures of their pure-TF twins.
 
-Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2.ops`` (the mask RLE
-encoder's is in ``mrcnn_tf2.evaluation.coco_metrics``; the 3x3 conv's is ``tf.nn.conv2d`` at stride 1,
-'SAME') and returns the same result (to float rounding);
+Each public function here takes exactly the arguments of its twin in ``mrcnn_tf2.ops`` (the 3x3 conv's
+is ``tf.nn.conv2d`` at stride 1, 'SAME') and returns the same result (to float rounding);
 the argument checks are the twin's own. The C++ sources are in ``ops/``, built by ``ops/build.sh`` (which
 ``scripts/setup.sh`` runs).
 
@@ -22,9 +21,7 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
-from pycocotools import mask as mask_utils
 
-from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.ops import roi_align, roi_ops
@@ -278,7 +275,7 @@ def _even_split(total, parts):
 # -- mask pasting and RLE encoding (evaluation, NumPy in, pycocotools RLE out) -----------------------------
 
 def encode_pasted_masks(masks, boxes, image_hw, threshold):
-    """Fused ``coco_metrics.encode_pasted_masks``: the same RLE, byte for byte (see its docstring).
+    """Fused ``masks.encode_pasted_masks``: the same RLE, byte for byte (see its docstring).
 
     The op pastes each mask into its box region and emits the full-image mask's uncompressed run lengths
     (the zeros around the box are counted, not materialised); pycocotools compresses them.
@@ -290,17 +287,15 @@ def encode_pasted_masks(masks, boxes, image_hw, threshold):
     Returns:
       list of D dicts {'size': [h, w], 'counts': bytes}, pycocotools' compressed RLE.
     """
-    masks, boxes, height, width = coco_metrics.check_encode_arguments(masks, boxes, image_hw, threshold)
+    masks, boxes, height, width = mask_ops.check_encode_arguments(masks, boxes, image_hw, threshold)
     if not len(masks):
         return []  # frPyObjects cannot take an empty list
     counts, splits = load_library().mrcnn_paste_masks_rle(masks, boxes, height=height, width=width,
                                                           threshold=float(threshold))
-    counts, splits = counts.numpy(), splits.numpy().tolist()
-    return mask_utils.frPyObjects([{"size": [height, width], "counts": counts[start:stop]}
-                                   for start, stop in zip(splits[:-1], splits[1:])], height, width)
+    return mask_ops.compress_run_lengths(counts.numpy(), splits.numpy().tolist(), height, width)
 
 
 def mask_encoder_for(mode):
     """The mask encoder that evaluation and inference use for ``--custom_ops`` ``mode``: this module's
     ``encode_pasted_masks`` when ``use_fused(mode)`` (it runs in NumPy land, never under XLA), else the twin."""
-    return encode_pasted_masks if use_fused(mode) else coco_metrics.encode_pasted_masks
+    return encode_pasted_masks if use_fused(mode) else mask_ops.encode_pasted_masks

@@ -1,4 +1,5 @@
-"""Instance masks: training targets per RoI (TensorFlow) and pasting predictions into images (NumPy).
+"""Instance masks: training targets per RoI (TensorFlow), pasting predictions into images (NumPy) and their
+COCO run-length encoding (pycocotools), which evaluation and inference write.
 
 Box format: ``[ymin, xmin, ymax, xmax]`` float32 pixels with continuous coordinates (width = xmax - xmin);
 padded boxes are all -1.
@@ -15,6 +16,7 @@ Glossary: B batch, F RoI slots, M crop side, R output side, D detections.
 """
 import numpy as np
 import tensorflow as tf
+from pycocotools import mask as mask_utils
 
 from mrcnn_tf2.ops import box_ops
 
@@ -193,3 +195,52 @@ def paste_masks(masks, boxes, image_hw, threshold=None):
             region = region >= threshold
         out[d, top:top + y_low.size, left:left + x_low.size] = region
     return out
+
+
+def check_encode_arguments(masks, boxes, image_hw, threshold):
+    """Validate ``encode_pasted_masks``' arguments (shared with its fused twin): ``paste_masks``' checks, and
+    a threshold is required.
+
+    Returns:
+      (masks [D, R, R] float32 array, boxes [D, 4] float32 array, height, width).
+    """
+    if threshold is None:
+        raise ValueError("threshold must be a finite number, got None.")
+    return check_paste_arguments(masks, boxes, image_hw, threshold)
+
+
+def encode_pasted_masks(masks, boxes, image_hw, threshold):
+    """COCO RLE of each mask pasted into the image and thresholded (NumPy and pycocotools).
+
+    Pasting the transposed problem (x for y) gives [D, w, h] in C order, which is the [h, w, D] Fortran
+    layout pycocotools encodes: no transposing copy of the D full-image masks. The fused twin,
+    ``ops.fused.encode_pasted_masks``, gives the same RLE without the full-image masks.
+
+    Args:
+      masks: [D, R, R] float32 probabilities relative to their box (``paste_masks``).
+      boxes: [D, 4] float32 [ymin, xmin, ymax, xmax] pixels, unclipped (the frames the masks were
+        predicted in); pasting clips them to the image.
+      image_hw: (h, w) ints; threshold: float, foreground where probability >= threshold.
+
+    Returns:
+      list of D dicts {'size': [h, w], 'counts': bytes}, pycocotools' compressed RLE.
+    """
+    masks, boxes, height, width = check_encode_arguments(masks, boxes, image_hw, threshold)
+    pasted = paste_masks(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold)
+    return mask_utils.encode(pasted.transpose(2, 1, 0))
+
+
+def compress_run_lengths(counts, splits, height, width):
+    """pycocotools' compressed RLE of D masks given as uncompressed run lengths (the fused encoder's output).
+
+    Args:
+      counts: [N] int run lengths of the D masks one after another, each mask's in COCO order (column-major,
+        starting with a run of zeros).
+      splits: D + 1 ints: mask d's runs are counts[splits[d]:splits[d + 1]].
+      height, width: ints, the image size every mask covers.
+
+    Returns:
+      list of D dicts {'size': [height, width], 'counts': bytes}, as ``encode_pasted_masks`` returns them.
+    """
+    return mask_utils.frPyObjects([{"size": [height, width], "counts": counts[start:stop]}
+                                   for start, stop in zip(splits[:-1], splits[1:])], height, width)

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.model.pretrained import check_backbone_metadata
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS, init_world
@@ -30,7 +31,6 @@ from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
-from weights.convert_keras_resnet import check_backbone_metadata
 
 # Exit status of a run stopped by a non-finite loss.
 EXIT_NON_FINITE = 4

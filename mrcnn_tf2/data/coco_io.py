@@ -1,4 +1,7 @@
-"""File output shared by the dataset scripts: atomic writes and the one JPEG encoding they both use.
+"""File output shared by the dataset scripts (dataset/): atomic writes and the one JPEG encoding they both use.
+
+It lives in the package, which they import, because they are scripts: they cannot import each other
+without editing sys.path. It imports neither TensorFlow nor the rest of the package.
 
 A file written here appears under its final name only once it is complete: it is written to
 `<path>.tmp` beside the destination, then renamed over it (a rename within one directory is atomic), so
