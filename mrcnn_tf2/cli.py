@@ -15,7 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # oneDNN's CPU kernels, which TensorFlow turns on by itself only on AVX-512 class CPUs. With the model's own
 # convolution kernel gradients (mrcnn_tf2/ops/conv.py) they made ResNet-50 at 832x1344 train 1.6x and
 # predict 1.5x (batch 1) to 1.8x (batch 2) faster on a 2-core AVX2 CPU, and the demo's 128x128 train step
-# 1.3x (README, Results). Set the variable to 0 for TensorFlow's own kernels.
+# 1.3x (docs/PERFORMANCE.md). Set the variable to 0 for TensorFlow's own kernels.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 from mrcnn_tf2.arguments import check_inputs, parse  # noqa: E402 (after the environment variables)

@@ -252,13 +252,17 @@ class Trainer:
                   f"(rank 0..{self.num_workers - 1}: {rates})", flush=True)
             logger.event("benchmark workers", echo=False, workers=self.num_workers, per_worker_img_per_s=per_worker)
 
+    def _frozen_bn_from_scratch(self):
+        """Batch norm frozen without pretrained weights: the identity, so a deep ResNet's activations explode."""
+        return self.config.model.freeze_bn and not self.config.pretrained()
+
     def _initialisation_notice(self):
         """One line on how batch norm and the first blocks train in a new run without pretrained weights
         (the rule of Config.resolved, or a setting that defies it), else None."""
         model = self.config.model
         if self.config.pretrained():
             return None
-        if model.freeze_bn:
+        if self._frozen_bn_from_scratch():
             return ("warning: batch norm is frozen (model.freeze_bn=true) without pretrained weights: it is then "
                     "the identity and a deep ResNet trained from scratch is likely to diverge (drop the override, "
                     "or give --backbone_checkpoint)")
@@ -273,7 +277,7 @@ class Trainer:
         if self.policy == "mixed_float16":
             return  # the LossScaleOptimizer skipped this update and lowered its scale
         terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        if self.config.model.freeze_bn and not self.config.pretrained():
+        if self._frozen_bn_from_scratch():
             cause = ("likely cause: batch norm is frozen (model.freeze_bn=true) without pretrained weights, so it is "
                      "the identity and the randomly initialised ResNet's activations explode; train it with "
                      "--finetune_bn or load --backbone_checkpoint")
