@@ -1,7 +1,6 @@
 """Mask R-CNN for TensorFlow 2: `python main.py train|eval|infer|export [flags]` (see --help).
 
-The same command as the installed `mrcnn-tf2`; the code is mrcnn_tf2/cli.py, imported first so that its
-TensorFlow environment variables are set before anything imports TensorFlow.
+The same command as the installed `mrcnn-tf2`; the code is mrcnn_tf2/cli.py.
 """
 
 import sys

@@ -7,7 +7,8 @@
 Output, in --output_dir:
   <tag>-00000-of-<num_shards>.tfrecord ...  one tf.train.Example per image; image i of the JSON's 'images' list
                                             goes to shard i % num_shards. Each shard is written under
-                                            `<name>.tmp` and renamed only when the whole run succeeded.
+                                            a temporary name (`mrcnn_tf2.files`) and renamed only when
+                                            the whole run succeeded.
   <tag>_warnings.json                       every problem found and the action taken (below); always written.
 
 The tag defaults to the annotation file's name without `instances_` and `.json` (instances_val2017.json ->
@@ -56,9 +57,9 @@ The checks run in this order and the first that drops an annotation ends its che
 were all dropped are kept as negatives, unless --skip_empty, which skips every image left without a non-crowd
 instance (not a warning: counted in the summary line).
 
-This module converts data only: of the package it imports mrcnn_tf2.data.coco_io alone, and TensorFlow is
-imported only by the process that writes the shards (workers decode and check images with Pillow and
-pycocotools).
+This module converts data only: of the package it imports mrcnn_tf2.data.coco_io, mrcnn_tf2.files and
+mrcnn_tf2.status alone, and TensorFlow is imported only by the process that writes the shards (workers
+decode and check images with Pillow and pycocotools).
 """
 
 import argparse
@@ -76,13 +77,13 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from mrcnn_tf2.data.coco_io import encode_jpeg, temporary_path, write_json_atomically
+from mrcnn_tf2 import files, status
+from mrcnn_tf2.data.coco_io import encode_jpeg
 
 SHARD_NAME = "{tag}-{index:05d}-of-{count:05d}.tfrecord"
 WARNINGS_NAME = "{tag}_warnings.json"
 DEFAULT_TRAIN_SHARDS, DEFAULT_OTHER_SHARDS = 256, 32
 MAX_SHARDS = 99999  # five digits in the shard names
-EXIT_BAD_INPUT = 2
 # Pixels a mask may reach beyond its box before it is reported: rasterizing a polygon whose box was computed
 # from its float vertices can touch the pixel just outside.
 MASK_BOX_TOLERANCE = 1.0
@@ -596,7 +597,7 @@ def convert_coco(
     os.makedirs(output_dir, exist_ok=True)
     writers, finished = [], False
     try:
-        writers = [tf.io.TFRecordWriter(temporary_path(path)) for path in shard_paths]
+        writers = [tf.io.TFRecordWriter(files.temporary_path(path)) for path in shard_paths]
         results = _results(tasks, worker, min(num_workers, max(len(tasks), 1)))
         progress_bar = tqdm(results, total=len(tasks), unit="img", desc=tag, disable=not progress)
         for index, result in enumerate(progress_bar):
@@ -618,17 +619,16 @@ def convert_coco(
             writer.close()
         report = _warnings_report(annotations_file, image_dir, warnings)
         summary.warnings = sum(report["counts"].values())
-        write_json_atomically(summary.warnings_path, report, indent=1)
+        files.write_json(summary.warnings_path, report, indent=1)
         for path in shard_paths:
-            os.replace(temporary_path(path), path)
+            files.commit(files.temporary_path(path), path)
         finished = True
     finally:
         if not finished:
             for writer in writers:
                 writer.close()
             for path in shard_paths:
-                if os.path.exists(temporary_path(path)):
-                    os.remove(temporary_path(path))
+                files.remove(files.temporary_path(path))
     _note_stale_shards(output_dir, tag, shard_paths)
     return summary
 
@@ -673,7 +673,8 @@ def build_parser():
 
 
 def main(argv=None):
-    """Command-line entry; returns the exit status: 0, or EXIT_BAD_INPUT when the inputs cannot be converted."""
+    """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, or BAD_INPUT when the inputs cannot
+    be converted."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter would bury the summary
     try:
@@ -689,9 +690,9 @@ def main(argv=None):
         )
     except BadInputError as error:
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return status.BAD_INPUT
     print(summary.line())
-    return 0
+    return status.OK
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ annotation file is removed before its images are (re)written and written last, s
 leaves an annotation file that looks complete.
 
 This module generates data only: it must not depend on TensorFlow; of the package it imports
-mrcnn_tf2.data.coco_io alone.
+mrcnn_tf2.data.coco_io, mrcnn_tf2.files and mrcnn_tf2.status alone.
 """
 
 import argparse
@@ -45,7 +45,8 @@ import sys
 import numpy as np
 from PIL import Image
 
-from mrcnn_tf2.data.coco_io import encode_jpeg, write_bytes_atomically, write_json_atomically
+from mrcnn_tf2 import files, status
+from mrcnn_tf2.data.coco_io import encode_jpeg
 
 # Category names; the category id of CATEGORIES[i] is i + 1.
 CATEGORIES = ("circle", "square", "triangle", "star", "ring")
@@ -442,8 +443,7 @@ def make_split(output_dir, split, num_images, seed, min_size, max_size, image_si
     os.makedirs(image_dir, exist_ok=True)
     os.makedirs(annotation_dir, exist_ok=True)
     path = os.path.join(annotation_dir, f"instances_{split}.json")
-    if os.path.exists(path):
-        os.remove(path)  # it would describe images about to be overwritten until the new one is complete
+    files.remove(path)  # it would describe images about to be overwritten until the new one is complete
     images, annotations = [], []
     for index in range(num_images):
         rng = np.random.default_rng([seed, SPLITS.index(split), index])
@@ -451,7 +451,7 @@ def make_split(output_dir, split, num_images, seed, min_size, max_size, image_si
         pixels, objects = render_scene(rng, height, width)
         image_id = index + 1
         file_name = f"{image_id:06d}.jpg"
-        write_bytes_atomically(os.path.join(image_dir, file_name), encode_jpeg(Image.fromarray(pixels)))
+        files.write_bytes(os.path.join(image_dir, file_name), encode_jpeg(Image.fromarray(pixels)))
         images.append({"id": image_id, "file_name": file_name, "height": height, "width": width})
         for category_id, mask, iscrowd in objects:
             annotations.append(annotate(mask, category_id, iscrowd, image_id, len(annotations) + 1))
@@ -462,7 +462,7 @@ def make_split(output_dir, split, num_images, seed, min_size, max_size, image_si
         "annotations": annotations,
         "categories": [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(CATEGORIES)],
     }
-    write_json_atomically(path, dataset)
+    files.write_json(path, dataset)
     return path
 
 
@@ -513,7 +513,7 @@ def build_parser():
 
 
 def main(argv=None):
-    """Command-line entry; returns the exit status (2 for bad arguments)."""
+    """Command-line entry; returns the exit status (status.BAD_INPUT for bad arguments, from argparse)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -523,7 +523,7 @@ def main(argv=None):
     except ValueError as error:
         parser.error(str(error))
     print(f"wrote {args.num_train} train and {args.num_val} val images: {', '.join(paths.values())}")
-    return 0
+    return status.OK
 
 
 if __name__ == "__main__":

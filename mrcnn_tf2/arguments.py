@@ -2,7 +2,8 @@
 
 Each flag sets the config field of the same name (`--finetune_bn` sets `model.freeze_bn` to False), and
 its default is read from `mrcnn_tf2.config`, so a default lives in one place. `--config_override KEY=VALUE`
-reaches any config field by its dotted path and is applied after the flags.
+reaches any config field by its dotted path and is applied after the flags. Under both lie the config a
+training run saved in its model_dir and `--preset NAME` (mrcnn_tf2.presets): see `config_with_sources`.
 
 This module must not import TensorFlow: `--help` and `--print_config` stay fast.
 """
@@ -10,10 +11,15 @@ This module must not import TensorFlow: `--help` and `--print_config` stay fast.
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import os
 
-from mrcnn_tf2.config import BACKBONES, CUSTOM_OPS_MODES, Config, ConfigError
+from mrcnn_tf2 import presets
+from mrcnn_tf2.config import (BACKBONES, CUSTOM_OPS_MODES, MODEL_DEFINING_KEYS, PER_COMMAND_KEYS,
+                              PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, Config, ConfigError, field_paths,
+                              load_saved_config)
+from mrcnn_tf2.status import BAD_INPUT
 
 MODES = ("train", "eval", "infer", "export")
 
@@ -137,37 +143,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _get(config: Config, path: str):
-    obj = config
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _set(config: Config, path: str, value) -> None:
-    *parents, leaf = path.split(".")
-    obj = config
-    for part in parents:
-        obj = getattr(obj, part)
-    setattr(obj, leaf, tuple(value) if isinstance(value, list) else value)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The parser. A config flag left out of the command line is absent from the parsed namespace (its
+    default is the config's, shown by --help), so that the config knows which values the user gave."""
     parser = _Parser(
         prog="main.py",
-        description="Mask R-CNN (ResNet-FPN) for TensorFlow 2: train, evaluate, infer, export.",
+        description="Mask R-CNN (ResNet-FPN) for TensorFlow 2: train, evaluate, infer, export. "
+                    "Settings are applied in this order, later ones winning: the defaults, the config saved "
+                    "in --model_dir by training (config.json), --preset, the flags, --config_override.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("mode", choices=MODES, help="what to run")
     for flag, (path, kwargs) in _FLAGS.items():
         names = ["-v", "--verbose"] if flag == "verbose" else [f"--{flag}"]
-        default = _get(_DEFAULTS, path)
-        parser.add_argument(*names, default=list(default) if isinstance(default, tuple) else default, **kwargs)
+        default = _DEFAULTS.get(path)
+        shown = list(default) if isinstance(default, tuple) else default
+        kwargs = dict(kwargs, help=f"{kwargs['help']} (default: {shown})")
+        parser.add_argument(*names, default=argparse.SUPPRESS, **kwargs)
     parser.add_argument(
         "--finetune_bn",
         action="store_true",
         help="train batch norm statistics and affine parameters (default: frozen with pretrained weights, "
              "trained from scratch; model.freeze_bn)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=presets.names(),
+        help=f"a named set of config values, applied before the flags and --config_override: {presets.describe()}",
     )
     parser.add_argument(
         "--config_override",
@@ -177,27 +179,81 @@ def build_parser() -> argparse.ArgumentParser:
         help="set any config field by its dotted path, e.g. model.rpn.rpn_min_size=2 (repeatable; after flags)",
     )
     parser.add_argument(
-        "--print_config", action="store_true", help="print the resolved configuration as JSON and exit"
+        "--onednn",
+        choices=("on", "off"),
+        help="TensorFlow's oneDNN CPU kernels (default: on, unless TF_ENABLE_ONEDNN_OPTS is set; see "
+             "docs/PERFORMANCE.md)",
+    )
+    parser.add_argument(
+        "--print_config", action="store_true",
+        help="print the resolved configuration as JSON, with the source of each non-default value, and exit",
     )
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The validated Config: defaults, then flags, then --config_override, then the rules of the settings
-    left to None (Config.resolved). Raises ConfigError."""
-    config = Config()
+def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
+    """The validated Config of `args` and {dotted path: source} of each value that differs from the default.
+
+    Layers, later ones winning: the defaults; the config saved in <model_dir>/config.json by training,
+    without its per-command settings (config.PER_COMMAND_KEYS); --preset; the flags; --config_override;
+    then the rules of the settings left to None (Config.resolved). A preset, override or flag that changes
+    one of config.MODEL_DEFINING_KEYS of a saved config is an error naming both values. Raises ConfigError.
+    """
+    config, sources = Config(), {}
+
+    def apply(path, value, source, key):
+        try:
+            config.set(path, value)
+        except ValueError as err:
+            raise ConfigError(key, f"{path}: {err}") from None
+        sources[path] = source
+
+    model_dir = getattr(args, "model_dir", _DEFAULTS.runtime.model_dir)
+    saved = load_saved_config(model_dir)
+    saved_file = os.path.join(model_dir, SAVED_CONFIG_FILE)
+    for path, value in (saved or {}).items():
+        if path not in PER_COMMAND_KEYS and not path.startswith(PER_COMMAND_SECTIONS):
+            apply(path, value, f"saved config {saved_file}", "--model_dir")
+    if args.preset:
+        for path, value in presets.values(args.preset).items():
+            apply(path, value, f"--preset {args.preset}", "--preset")
     for flag, (path, _) in _FLAGS.items():
-        _set(config, path, getattr(args, flag))
+        if hasattr(args, flag):
+            apply(path, getattr(args, flag), f"--{flag}", f"--{flag}")
     if args.finetune_bn:
-        config.model.freeze_bn = False
+        apply("model.freeze_bn", False, "--finetune_bn", "--finetune_bn")
     for item in args.config_override:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError("--config_override", f"'{item}' is not KEY=VALUE")
         config.override(key.strip(), value.strip())
-    config = config.resolved()
-    config.validate()
-    return config
+        sources[key.strip()] = "--config_override"
+    for path in MODEL_DEFINING_KEYS if saved else ():
+        source = sources.get(path, "")
+        if path in saved and not source.startswith("saved config"):
+            saved_value = copy.deepcopy(_DEFAULTS)
+            saved_value.set(path, saved[path])
+            if config.get(path) != saved_value.get(path):
+                key = source.split(" ")[0]
+                raise ConfigError(key, f"{path} = {_show(config.get(path))} contradicts {_show(saved_value.get(path))} "
+                                       f"saved in {saved_file}, which the checkpoints there were trained with "
+                                       "(use another --model_dir for a different model)")
+    resolved = config.resolved()
+    for path in field_paths(resolved):
+        if resolved.get(path) != config.get(path):
+            sources[path] = "rule (Config.resolved: pretrained weights or not)"
+    resolved.validate()
+    return resolved, {path: sources[path] for path in field_paths(resolved)
+                      if path in sources and resolved.get(path) != _DEFAULTS.get(path)}
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The validated Config of `args` (see config_with_sources). Raises ConfigError."""
+    return config_with_sources(args)[0]
 
 
 def check_inputs(mode: str, config: Config) -> None:
@@ -222,13 +278,14 @@ def check_inputs(mode: str, config: Config) -> None:
             raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
 
 
-def parse(argv=None):
-    """Parses `argv` (default: sys.argv[1:]) into (args, Config); exits 2 with one line on bad input."""
+def parse(argv=None, with_sources=False):
+    """Parses `argv` (default: sys.argv[1:]) into (args, Config), or (args, Config, sources) with
+    `with_sources` (see config_with_sources); exits 2 with one line on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(args)
+        config, sources = config_with_sources(args)
     except ConfigError as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    return args, config
+        parser.exit(BAD_INPUT, f"{parser.prog}: error: {err}\n")
+    return (args, config, sources) if with_sources else (args, config)
 

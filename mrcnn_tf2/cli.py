@@ -1,25 +1,20 @@
 """The command line, `mrcnn-tf2 train|eval|infer|export [flags]` or `python main.py ...` (see --help).
 
-This module sets TensorFlow's environment variables when it is imported, so it must be imported before
-TensorFlow is (the `mrcnn-tf2` entry point and main.py import nothing else first).
+TensorFlow reads its environment variables once, when it is first imported, so `main` sets them after
+parsing the flags and before importing anything that imports TensorFlow; the parsing modules never do.
 """
 
+import contextlib
 import importlib
 import json
 import os
+import re
 import sys
+import tempfile
 
-# TensorFlow's C++ info and warning lines (oneDNN, CUDA probing) drown the progress display; set the
-# variable to 0 to see them. It must be set before TensorFlow is first imported.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# oneDNN's CPU kernels, which TensorFlow turns on by itself only on AVX-512 class CPUs. With the model's own
-# convolution kernel gradients (mrcnn_tf2/ops/conv.py) they made ResNet-50 at 832x1344 train 1.6x and
-# predict 1.5x (batch 1) to 1.8x (batch 2) faster on a 2-core AVX2 CPU, and the demo's 128x128 train step
-# 1.3x (docs/PERFORMANCE.md). Set the variable to 0 for TensorFlow's own kernels.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
-
-from mrcnn_tf2.arguments import check_inputs, parse  # noqa: E402 (after the environment variables)
-from mrcnn_tf2.config import ConfigError  # noqa: E402
+from mrcnn_tf2 import status
+from mrcnn_tf2.arguments import check_inputs, parse
+from mrcnn_tf2.config import ConfigError
 
 # Each mode is the `run(config)` of its runtime module.
 RUNNERS = {
@@ -30,25 +25,85 @@ RUNNERS = {
 }
 
 
+# TensorFlow's start-up lines that say nothing a user acts on: the oneDNN banner, the CUDA probing of a
+# machine without a GPU, the CPU-instructions notice. TensorFlow >= 2.16 writes them through absl before
+# its log level applies, so TF_CPP_MIN_LOG_LEVEL alone cannot hide them.
+STARTUP_NOISE = re.compile(
+    r"All log messages before absl::InitializeLog|cudart_stub\.cc|cuda_platform\.cc.*cuInit|"
+    r"port\.cc.*oneDNN custom operations|cpu_feature_guard\.cc|^To enable the following instructions|"
+    r"Unable to register cu(DNN|FFT|BLAS) factory|TF-TRT Warning|computation_placer\.cc")
+
+
+@contextlib.contextmanager
+def quiet_tensorflow_start(enabled=True):
+    """Holds back what is written to the process's stderr (file descriptor 2, where TensorFlow's C++ code
+    writes) inside the block, then writes it out without STARTUP_NOISE's lines; does nothing unless
+    `enabled`."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not STARTUP_NOISE.search(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+def set_tensorflow_environment(onednn=None, environ=os.environ):
+    """Sets TensorFlow's start-up variables in `environ`, unless the user set them (or `onednn` is given).
+
+    TF_CPP_MIN_LOG_LEVEL=2: TensorFlow's C++ info and warning lines drown the progress display; 0 shows
+    them.
+    TF_ENABLE_ONEDNN_OPTS: oneDNN's CPU kernels on, on every CPU. TensorFlow's own default is on only for
+    CPUs with AVX-512 VNNI or bfloat16 instructions; oneDNN (with the model's own kernel gradients) measured
+    faster on both kinds (docs/PERFORMANCE.md, "oneDNN"). `onednn` ('on' / 'off', the --onednn flag) wins
+    over the user's variable.
+
+    Returns whether the user had set TF_CPP_MIN_LOG_LEVEL: then main shows TensorFlow's start-up lines as
+    they come (see quiet_tensorflow_start).
+    """
+    user_log_level = "TF_CPP_MIN_LOG_LEVEL" in environ
+    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if onednn is not None:
+        environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if onednn == "on" else "0"
+    environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    return user_log_level
+
+
 def main(argv=None) -> int:
-    """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (2: bad flags or inputs)."""
-    args, config = parse(argv)
+    """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status)."""
+    args, config, sources = parse(argv, with_sources=True)
     if args.print_config:
-        print(json.dumps({"mode": args.mode, **config.to_dict()}, indent=2))
-        return 0
+        print(json.dumps({"mode": args.mode, "sources": sources, **config.to_dict()}, indent=2))
+        return status.OK
     try:
         check_inputs(args.mode, config)
     except ConfigError as err:
         print(f"main.py: error: {err}", file=sys.stderr)
-        return 2
-    runner = importlib.import_module(RUNNERS[args.mode])
-    from mrcnn_tf2.ops.fused import CustomOpsUnavailable  # imports TensorFlow: after the argument checks
+        return status.BAD_INPUT
+    user_log_level = set_tensorflow_environment(args.onednn)
+    with quiet_tensorflow_start(enabled=not user_log_level):
+        runner = importlib.import_module(RUNNERS[args.mode])
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()  # initialises the devices: CUDA's probing happens here
+    from mrcnn_tf2.ops.fused import CustomOpsUnavailable
 
     try:
-        return runner.run(config) or 0
+        return runner.run(config) or status.OK
     except CustomOpsUnavailable as err:  # --custom_ops on, and the library cannot be used
         print(f"main.py: error: --custom_ops on: {err}", file=sys.stderr)
-        return 2
+        return status.BAD_INPUT
     except ConfigError as err:  # found once the run reads its inputs (e.g. the backbone checkpoint's metadata)
         print(f"main.py: error: {err}", file=sys.stderr)
-        return 2
+        return status.BAD_INPUT

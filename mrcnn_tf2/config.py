@@ -15,9 +15,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
+
+from mrcnn_tf2 import files
+
+# The file in model_dir that holds a training run's resolved config; eval, infer, export and a resumed
+# train start from it.
+SAVED_CONFIG_FILE = "config.json"
 
 
 class ConfigError(ValueError):
@@ -324,6 +331,29 @@ class Config:
         """Nested plain dict (tuples become lists), ready for JSON."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
+    def save(self, model_dir: str) -> str:
+        """Writes the config to <model_dir>/config.json, atomically; returns the path."""
+        path = os.path.join(model_dir, SAVED_CONFIG_FILE)
+        os.makedirs(model_dir, exist_ok=True)
+        files.write_json(path, self.to_dict(), indent=2)
+        return path
+
+    def get(self, path: str):
+        """The value at dotted `path`, e.g. 'model.rpn.rpn_min_size'."""
+        obj = self
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def set(self, path: str, value) -> None:
+        """Sets the leaf at dotted `path` to `value`, coerced to the field's type (lists become tuples).
+        Raises ValueError when the value does not fit the type."""
+        *parents, leaf = path.split(".")
+        owner = self
+        for part in parents:
+            owner = getattr(owner, part)
+        setattr(owner, leaf, coerce_value(value, typing.get_type_hints(type(owner))[leaf]))
+
     def override(self, key: str, value: str) -> None:
         """Sets the field at dotted `key` (e.g. 'model.rpn.rpn_min_size') from its text `value`.
 
@@ -411,6 +441,21 @@ class Config:
             raise ConfigError("--min_mask_map", "the model has no mask branch (model.include_mask=false)")
 
 
+# The values a checkpoint's weights are tied to: a saved run's value of one of these cannot be changed by
+# a later command on the same model_dir (the weights would not fit, or would mean something else).
+MODEL_DEFINING_KEYS = (
+    "model.backbone", "model.num_classes", "data.image_size", "model.stride_in_1x1", "model.include_mask",
+    "model.fpn_num_filters", "model.fast_rcnn_mlp_head_dim", "model.mrcnn_head_num_filters",
+    "model.mrcnn_resolution", "model.anchors.min_level", "model.anchors.max_level", "model.anchors.num_scales",
+    "model.anchors.aspect_ratios", "model.anchors.anchor_scale",
+)
+# Settings of one invocation rather than of the run: a saved config does not carry them to the next command.
+PER_COMMAND_KEYS = (
+    "runtime.model_dir", "runtime.benchmark", "runtime.benchmark_steps", "runtime.log_warmup_steps",
+    "runtime.log_file", "runtime.eagerly", "runtime.verbose", "runtime.log_graph", "data.use_synthetic_data",
+)
+PER_COMMAND_SECTIONS = ("infer.", "export.")
+
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -441,6 +486,63 @@ def parse_value(text: str, hint):
         except ValueError:
             raise ValueError(f"'{text}' is not a valid {hint.__name__}") from None
     raise ValueError(f"unsupported field type {hint}")
+
+
+def coerce_value(value, hint):
+    """`value` (a Python or JSON value) as the type annotation `hint` says: lists become tuples, ints
+    become floats where a float is declared. Raises ValueError when it does not fit."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        return None if value is None else coerce_value(value, next(a for a in args if a is not type(None)))
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{value!r} is not a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce_value(item, args[0]) for item in value)
+        if len(value) != len(args):
+            raise ValueError(f"expected {len(args)} values, got {len(value)}")
+        return tuple(coerce_value(item, arg) for item, arg in zip(value, args))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"{value!r} is not of type {hint.__name__}")
+    return value
+
+
+def load_saved_config(model_dir: str) -> Optional[dict]:
+    """{dotted path: value} of the config saved in <model_dir>/config.json; None when there is none.
+
+    Raises ConfigError naming the file and the key when the file is not a config this package wrote.
+    """
+    path = os.path.join(model_dir, SAVED_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError("--model_dir", f"{path} is not readable JSON: {err}") from None
+    values, known = {}, set(field_paths(Config()))
+
+    def walk(node, prefix):
+        if not isinstance(node, dict):
+            raise ConfigError("--model_dir", f"{path}: '{prefix.rstrip('.') or '<top>'}' is not a section")
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif f"{prefix}{key}" in known:
+                values[f"{prefix}{key}"] = value
+            else:
+                raise ConfigError("--model_dir", f"{path}: unknown config key '{prefix}{key}'")
+
+    walk(saved, "")
+    probe = Config()
+    for key, value in values.items():
+        try:
+            probe.set(key, value)
+        except ValueError as err:
+            raise ConfigError("--model_dir", f"{path}: {key}: {err}") from None
+    return values
 
 
 def _split_list(text: str) -> list:

@@ -154,7 +154,7 @@ def train_step_case(rng):
     import keras
 
     from mrcnn_tf2.config import Config
-    from mrcnn_tf2.model.factory import build_model
+    from mrcnn_tf2.model.factory import build_anchors, build_model
 
     image_size, batch, max_instances, mask_size = (256, 256), 4, 8, 28
     config = Config()
@@ -163,9 +163,7 @@ def train_step_case(rng):
     config.data.image_size = image_size
     config.data.max_num_instances = max_instances
     config.data.gt_mask_size = mask_size
-    a = config.model.anchors
-    anchors = anchor_ops.generate_anchors(a.min_level, a.max_level, a.num_scales, a.aspect_ratios, a.anchor_scale,
-                                          image_size)
+    anchors = build_anchors(config)
     boxes = np.full((batch, max_instances, 4), -1.0, np.float32)
     boxes[:, :5] = random_boxes(rng, (batch, 5), image_size, 16.0, 128.0).clip(0, 256)
     targets = [anchor_ops.rpn_targets(anchors, boxes[b], image_size, seed=tf.constant([b, 0])) for b in range(batch)]

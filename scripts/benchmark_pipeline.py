@@ -16,6 +16,7 @@ import time
 
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.model.factory import build_anchors, choose_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +48,10 @@ def measure(file_pattern, image_size, batch_size, warmup, batches):
     """img/s of the training pipeline over `batches` batches after `warmup` batches."""
     config = Config()
     config.data.image_size = tuple(image_size)
-    iterator = iter(InputPipeline(config, training=True).dataset(file_pattern, batch_size))
+    # The anchors and the RPN-target op a model of this config would give the pipeline.
+    pipeline = InputPipeline(config, training=True, anchors=build_anchors(config),
+                             rpn_targets=choose_ops(config).rpn_targets)
+    iterator = iter(pipeline.dataset(file_pattern, batch_size))
     for _ in range(warmup):
         next(iterator)
     start = time.perf_counter()

@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as main.py: profile the kernels that main.py runs
+from mrcnn_tf2.cli import set_tensorflow_environment
+
+set_tensorflow_environment()  # before TensorFlow's import, as main.py: profile the kernels main.py runs
 
 import tensorflow as tf  # noqa: E402
 from tensorflow.python.framework import op_def_registry  # noqa: E402
@@ -65,7 +66,7 @@ def train_step(config):
 def predict_step(config):
     """() -> runs `main.py infer`'s predict function on the first batch of the validation records."""
     from mrcnn_tf2.data.pipeline import InputPipeline
-    from mrcnn_tf2.runtime.evaluate import load_model, predict_function
+    from mrcnn_tf2.runtime.predictor import load_model, predict_function
 
     model = load_model(config, require_checkpoint=False).model
     batch = next(iter(InputPipeline(config, training=False).dataset(

@@ -15,16 +15,15 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from mrcnn_tf2.data.pipeline import InputPipeline  # noqa: E402
 from mrcnn_tf2.runtime.distributed import init_world  # noqa: E402
-from test_pipeline import make_config  # noqa: E402
+from test_pipeline import make_config, training_pipeline  # noqa: E402
 
 
 def main(pattern, count, out_dir):
     world = init_world()
     if world.size != 2:
         raise SystemExit(f"run under horovodrun -np 2 (world size is {world.size})")
-    dataset = InputPipeline(make_config(augment=False), training=True).dataset(pattern, 1, world.rank, world.size)
+    dataset = training_pipeline(make_config(augment=False)).dataset(pattern, 1, world.rank, world.size)
     ids = [int(batch["source_ids"][0]) for batch in dataset.take(count)]
     with open(os.path.join(out_dir, f"rank{world.rank}.json"), "w") as f:
         json.dump(ids, f)

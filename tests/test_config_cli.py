@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import main
-from mrcnn_tf2 import arguments
+from mrcnn_tf2 import arguments, cli, presets
 from mrcnn_tf2.config import Config, ConfigError, field_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,8 +121,13 @@ def test_config_defaults_match_the_spec():
 
 def test_flag_defaults_and_no_flag_gives_the_default_config():
     args = arguments.build_parser().parse_args(["train"])
+    assert args.finetune_bn is False and args.preset is None and args.onednn is None
     for flag, expected in FLAG_DEFAULTS.items():
-        assert getattr(args, flag) == expected, flag
+        if flag == "finetune_bn":
+            continue
+        default = Config().get(arguments._FLAGS[flag][0])
+        assert (list(default) if isinstance(default, tuple) else default) == expected, flag
+        assert not hasattr(args, flag), flag  # absent unless given: the config's sources know who set what
     assert arguments.config_from_args(args) == Config().resolved()
 
 
@@ -318,7 +323,10 @@ def test_print_config_is_the_resolved_config_as_json(capsys):
     assert printed["model"]["rpn"]["rpn_min_size"] == 1.0
     expected = Config()
     expected.model.backbone, expected.model.rpn.rpn_min_size = "resnet18", 1.0
-    assert {k: v for k, v in printed.items() if k != "mode"} == expected.resolved().to_dict()
+    assert {k: v for k, v in printed.items() if k not in ("mode", "sources")} == expected.resolved().to_dict()
+    rule = "rule (Config.resolved: pretrained weights or not)"
+    assert printed["sources"] == {"model.backbone": "--backbone", "model.rpn.rpn_min_size": "--config_override",
+                                  "model.freeze_bn": rule, "model.freeze_blocks": rule}
 
 
 def test_help_lists_every_flag_with_its_default():
@@ -346,3 +354,149 @@ def test_config_override_rejects_value_of_wrong_arity():
     with pytest.raises(ConfigError, match="expected 2 values"):
         config.override("data.image_size", "[1, 2, 3]")
     assert dataclasses.asdict(config) == dataclasses.asdict(Config())
+
+
+# -- presets, the config a training run saves, and where each value came from ---------------------------------
+
+
+def saved_run(model_dir, *flags):
+    """`model_dir` holding the config.json that a training run with `flags` writes."""
+    _, config = arguments.parse(["train", "--model_dir", str(model_dir), *flags])
+    config.save(str(model_dir))
+    return model_dir
+
+
+def test_every_preset_value_is_a_config_field_of_its_type():
+    for name in presets.names():
+        config = Config()
+        for path, value in presets.values(name).items():
+            config.set(path, value)  # raises on an unknown field or a value of the wrong type
+            assert config.get(path) == value, (name, path)
+        config.resolved().validate()
+
+
+def test_preset_lies_under_the_flags_and_the_overrides():
+    _, config, sources = arguments.parse(
+        ["train", "--preset", "demo", "--backbone", "resnet34", "--config_override", "model.fpn_num_filters=64"],
+        with_sources=True)
+    assert (config.model.backbone, sources["model.backbone"]) == ("resnet34", "--backbone")
+    assert (config.model.fpn_num_filters, sources["model.fpn_num_filters"]) == (64, "--config_override")
+    assert (config.model.mrcnn_head_num_filters, sources["model.mrcnn_head_num_filters"]) == (64, "--preset demo")
+    assert config.data.image_size == (128, 128) and config.train.learning_rate_values == (2e-2, 2e-3)
+
+
+def test_help_lists_the_presets():
+    result = subprocess.run([sys.executable, "main.py", "eval", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            check=True)
+    text = " ".join(result.stdout.split())
+    assert "--preset {demo}" in text and "demo: the README's demo" in text
+
+
+def test_saved_config_is_the_base_of_later_commands_without_its_per_command_settings(tmp_path):
+    saved_run(tmp_path, "--preset", "demo", "--data_dir", "/d", "--epochs", "3", "--benchmark", "--use_synthetic_data",
+              "--config_override", "infer.visualize=true", "--export_dir", "/x")
+    assert json.loads((tmp_path / "config.json").read_text())["runtime"]["benchmark"] is True
+    _, config, sources = arguments.parse(["eval", "--model_dir", str(tmp_path), "--eval_batch_size", "2"],
+                                         with_sources=True)
+    demo = Config()
+    for path, value in presets.values("demo").items():
+        demo.set(path, value)
+    assert config.model == demo.resolved().model
+    assert (config.data.data_dir, config.train.epochs, config.eval.eval_batch_size) == ("/d", 3, 2)
+    saved = f"saved config {tmp_path}/config.json"
+    assert sources["model.backbone"] == sources["data.data_dir"] == sources["train.epochs"] == saved
+    assert sources["eval.eval_batch_size"] == "--eval_batch_size"
+    # Settings of one command do not carry over: this eval is no benchmark and exports nowhere.
+    assert not config.runtime.benchmark and not config.data.use_synthetic_data
+    assert not config.infer.visualize and config.export.export_dir is None
+
+
+@pytest.mark.parametrize("saved_flags, flags, names", [
+    (["--preset", "demo"], ["--backbone", "resnet50"], ["--backbone", "resnet50", "resnet18"]),
+    (["--preset", "demo"], ["--num_classes", "91"], ["--num_classes", "91", "6"]),
+    (["--preset", "demo"], ["--image_size", "256", "256"], ["--image_size", "256 256", "128 128"]),
+    (["--preset", "demo"], ["--config_override", "model.fpn_num_filters=256"],
+     ["--config_override", "model.fpn_num_filters", "256", "128"]),
+    ([], ["--preset", "demo"], ["--preset", "model.backbone", "resnet18", "resnet50"]),
+])
+def test_a_command_that_changes_a_saved_models_shape_is_an_error_naming_both_values(
+        tmp_path, capsys, saved_flags, flags, names):
+    saved_run(tmp_path, *saved_flags)
+    for mode in ("train", "eval", "infer", "export"):
+        status, lines = run_main([mode, "--model_dir", str(tmp_path), *flags], capsys)
+        assert status == 2 and len(lines) == 1, lines
+        for name in [*names, f"{tmp_path}/config.json"]:
+            assert name in lines[0], (name, lines[0])
+
+
+def test_repeating_a_saved_value_is_no_contradiction(tmp_path):
+    saved_run(tmp_path, "--preset", "demo")
+    _, config = arguments.parse(["eval", "--model_dir", str(tmp_path), "--preset", "demo", "--backbone", "resnet18",
+                                 "--image_size", "128", "128"])
+    assert config.model.backbone == "resnet18"
+
+
+def test_print_config_names_the_source_of_every_non_default_value(tmp_path, capsys):
+    saved_run(tmp_path, "--preset", "demo", "--l2_weight_decay", "5e-5", "--config_override", "model.rpn.rpn_min_size=1")
+    status = main.main(["train", "--print_config", "--model_dir", str(tmp_path), "--preset", "demo", "--seed", "7",
+                        "--config_override", "train.momentum=0.8"])
+    printed = json.loads(capsys.readouterr().out)
+    sources, saved = printed["sources"], f"saved config {tmp_path}/config.json"
+    assert status == 0
+    assert sources["train.l2_weight_decay"] == sources["model.rpn.rpn_min_size"] == sources["model.freeze_bn"] == saved
+    assert sources["model.backbone"] == sources["train.epochs"] == "--preset demo"
+    assert sources["train.seed"] == "--seed" and sources["runtime.model_dir"] == "--model_dir"
+    assert sources["train.momentum"] == "--config_override"
+    # Exactly the non-default values have a source.
+    defaults = Config().to_dict()
+    changed = {path for path in field_paths(Config()) if get_in(printed, path) != get_in(defaults, path)}
+    assert set(sources) == changed
+
+
+def get_in(tree, path):
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
+@pytest.mark.parametrize("text, names", [
+    ('{"model": {"backbone": "resnet18", "colour": 1}}', ["unknown config key 'model.colour'"]),
+    ('{"model": {"num_classes": "six"}}', ["model.num_classes", "'six' is not of type int"]),
+    ('{"model": ', ["not readable JSON"]),
+])
+def test_a_malformed_saved_config_is_an_error_naming_the_file_and_key(tmp_path, capsys, text, names):
+    (tmp_path / "config.json").write_text(text)
+    status, lines = run_main(["eval", "--model_dir", str(tmp_path)], capsys)
+    assert status == 2 and len(lines) == 1, lines
+    for name in ["--model_dir", f"{tmp_path}/config.json", *names]:
+        assert name in lines[0], (name, lines[0])
+
+
+# -- TensorFlow's environment -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("environ, onednn, expected, user_log_level", [
+    ({}, None, {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "1"}, False),  # the rule: quiet, oneDNN on
+    ({"TF_CPP_MIN_LOG_LEVEL": "0", "TF_ENABLE_ONEDNN_OPTS": "0"}, None,
+     {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_ENABLE_ONEDNN_OPTS": "0"}, True),  # the user's variables win over the rule
+    ({"TF_ENABLE_ONEDNN_OPTS": "0"}, "on", {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "1"}, False),
+    ({"TF_ENABLE_ONEDNN_OPTS": "1"}, "off", {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}, False),
+])
+def test_tensorflow_environment_follows_the_rule_the_users_variables_and_onednn_flag(
+        environ, onednn, expected, user_log_level):
+    assert cli.set_tensorflow_environment(onednn, environ) is user_log_level
+    assert environ == expected
+
+
+def test_start_up_is_quiet_unless_the_user_sets_tensorflows_log_level(tmp_path):
+    # export of a model_dir without a checkpoint: TensorFlow starts, then the run stops with one error line.
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    command = [sys.executable, "main.py", "export", "--model_dir", str(tmp_path)]
+    quiet = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert quiet.returncode == 2 and len(quiet.stderr.strip().splitlines()) == 1, quiet.stderr
+    assert "checkpoint" in quiet.stderr and str(tmp_path) in quiet.stderr
+    for onednn, banner in (("on", True), ("off", False)):
+        loud = subprocess.run([*command, "--onednn", onednn], cwd=ROOT, env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"},
+                              capture_output=True, text=True)
+        assert loud.returncode == 2 and "cuda" in loud.stderr.lower(), loud.stderr  # TensorFlow's own lines
+        assert ("oneDNN custom operations are on" in loud.stderr) is banner, loud.stderr

@@ -16,6 +16,7 @@ from pycocotools.coco import COCO
 
 from dataset import create_coco_tf_record as converter
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
+from mrcnn_tf2 import status
 from mrcnn_tf2.data.coco_io import encode_jpeg
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
@@ -346,7 +347,7 @@ def test_bad_annotation_file_stops_with_exit_2_and_writes_nothing(tmp_path, caps
     output_dir.mkdir()
     argv = ["--image_dir", str(image_dir), "--annotations_file", str(annotations_file), "--output_dir",
             str(output_dir), "--num_workers", "1"]
-    assert converter.main(argv) == converter.EXIT_BAD_INPUT == 2
+    assert converter.main(argv) == status.BAD_INPUT == 2
     message = capsys.readouterr().err
     for part in [str(annotations_file)] + expected:
         assert part in message

@@ -12,9 +12,8 @@ import pytest
 import tensorflow as tf
 from pycocotools import mask as mask_utils
 
-from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
-from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
 from mrcnn_tf2.ops import conv as conv_ops
@@ -23,7 +22,7 @@ from tests.test_anchors import IMAGE_SIZE as ANCHOR_IMAGE_SIZE
 from tests.test_anchors import anchors as rpn_anchors  # noqa: F401 (a fixture)
 from tests.test_masks import np_mask_target, np_paste
 from tests.test_model import small_config, synthetic_batch
-from tests.test_pipeline import first_batches, make_config
+from tests.test_pipeline import first_batches, make_config, training_pipeline
 from tests.test_roi_ops import np_propose, rpn_outputs
 from tests.test_roi_align import np_roi_align, random_boxes, random_pyramid
 
@@ -97,11 +96,18 @@ def test_off_and_bad_modes():
 
 def test_factory_passes_the_choice_to_the_stages():
     config = small_config()
-    # Under --xla the fused ops still run: only the dense layers are compiled.
+    # Under --xla the fused ops still run: only the dense layers are compiled. Export: pure TF, no XLA.
     for mode, xla, export, want in [("on", False, False, True), ("off", False, False, False),
-                                    ("on", True, False, True), ("auto", False, True, False)]:
+                                    ("on", True, False, True), ("auto", False, True, False),
+                                    ("on", True, True, False)]:
         config.runtime.custom_ops, config.runtime.xla = mode, xla
+        ops = choose_ops(config, export=export)
+        assert (ops.fused, ops.fused_convs, ops.jit_dense) == (want, want and not xla, xla and not export)
+        # The input pipeline's anchor labelling and the mask encoding follow the same choice.
+        assert ops.rpn_targets is (fused.rpn_targets if want else anchor_ops.rpn_targets)
+        assert ops.mask_encoder is (fused.encode_pasted_masks if want else masks.encode_pasted_masks)
         model = build_model(config, export=export)
+        assert model.jit_dense == ops.jit_dense
         stages = (model.proposal_generator, model.box_roi_aligner, model.mask_roi_aligner,
                   model.mask_target_generator)
         assert [stage.fused for stage in stages] == [want] * len(stages)
@@ -443,7 +449,7 @@ def test_input_pipeline_with_fused_anchor_targets_equals_twin(shapes_records):
     for mode in ("on", "off"):
         config = make_config(augment=True, seed=11)
         config.runtime.custom_ops = mode
-        pipeline = InputPipeline(config, training=True)
+        pipeline = training_pipeline(config, choose_ops(config).rpn_targets)
         assert (pipeline.rpn_targets is fused.rpn_targets) == (mode == "on")
         batches.append(first_batches(pipeline, shapes_records["train"], 2))
     for got, want in zip(*batches):
@@ -548,8 +554,10 @@ def test_encoded_masks_bad_arguments_are_the_twins(encode, args, match):
 
 
 def test_evaluation_encodes_with_the_fused_op_unless_ops_are_off(rng):
-    assert fused.mask_encoder_for("on") is fused.encode_pasted_masks
-    assert fused.mask_encoder_for("off") is coco_metrics.encode_pasted_masks
+    config = small_config()
+    for mode, encoder in (("on", fused.encode_pasted_masks), ("off", coco_metrics.encode_pasted_masks)):
+        config.runtime.custom_ops = mode
+        assert choose_ops(config).mask_encoder is encoder
     # COCO results (RLE included) of one image's detections are the same through either encoder.
     boxes = np.array([[[5.2, 7.9, 40.3, 33.1], [-3.0, 50.0, 20.0, 90.5], [60.0, 10.0, 61.0, 11.0]]], np.float32)
     predictions = {

@@ -1,4 +1,5 @@
-"""`main.py infer` and `main.py export`: photo decoding (grayscale, alpha, EXIF), drawing, label maps, runs on
+"""`main.py infer` and `main.py export`: photo decoding (grayscale, alpha, EXIF), drawing (at the original size,
+small images upscaled), label maps, runs on
 photos with a corrupt file among them and on the validation TFRecords, the inference benchmark, and the
 SavedModel: round trip in a fresh process and `saved_model_cli run`, both equal to in-process inference.
 
@@ -20,8 +21,9 @@ from PIL import Image
 
 import main
 from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.runtime import export, infer
-from mrcnn_tf2.runtime.evaluate import load_model, predict_function
+from mrcnn_tf2.runtime.predictor import load_model, predict_function
 from tests.test_train import EVAL_FLAGS
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
@@ -127,18 +129,65 @@ def test_drawing_changes_the_image_where_objects_are_and_only_above_the_threshol
     masks = np.zeros((2, 28, 28), np.float32)
     masks[0, 7:21, 7:21] = 0.9  # the middle half of the first box
     masks[1] = 1.0
-    drawn = infer.draw_detections(image, boxes, np.array([1, 2]), np.array([0.9, 0.2]), masks,
-                                  {1: "disc"}, score_threshold=0.5)
-    assert drawn.shape == image.shape and drawn.dtype == np.uint8
-    changed = np.any(drawn != image, axis=-1)
-    assert changed[35:45, 45:55].all()  # the mask's centre
-    assert changed[20:60, 30].any() and changed[59, 30:70].any()  # the box outline
-    assert changed[5:20, 30:60].any()  # the label above the box
-    assert not changed[65:, :].any() and not changed[25:, 80:].any()  # far from the object and its label
-    assert not changed[8:13, 8:13].any()  # the second detection scores below the threshold
+    drawn = visualize.draw_detections(image, boxes, np.array([1, 2]), np.array([0.9, 0.2]), masks,
+                                      {1: "disc"}, score_threshold=0.5)
+    # Upscaled so that the shorter side is MIN_DRAWN_SIDE: 6.4x; the regions below are in pixels of `image`.
+    k = visualize.MIN_DRAWN_SIDE / 80
+    assert drawn.shape == (512, 640, 3) and drawn.dtype == np.uint8
+
+    def at(rows, cols):
+        return (slice(int(rows.start * k), int(rows.stop * k)), slice(int(cols.start * k), int(cols.stop * k)))
+
+    changed = np.any(drawn != 90, axis=-1)  # the upscaled uniform image is uniform
+    assert changed[at(slice(35, 45), slice(45, 55))].all()  # the mask's centre
+    assert changed[int(20 * k):int(60 * k), int(30 * k)].any()  # the box outline
+    assert changed[int(60 * k) - 1, int(30 * k):int(70 * k)].any()
+    assert changed[at(slice(5, 20), slice(30, 60))].any()  # the label above the box
+    assert not changed[int(65 * k):, :].any() and not changed[int(25 * k):, int(80 * k):].any()  # far from it all
+    assert not changed[at(slice(8, 13), slice(8, 13))].any()  # the second detection scores below the threshold
     # Without masks only the outline and label are drawn: the box's centre stays as it was.
-    boxes_only = infer.draw_detections(image, boxes, np.array([1, 2]), np.array([0.9, 0.2]), None, {}, 0.5)
-    assert (boxes_only[35:45, 45:55] == image[35:45, 45:55]).all() and (boxes_only != image).any()
+    boxes_only = visualize.draw_detections(image, boxes, np.array([1, 2]), np.array([0.9, 0.2]), None, {}, 0.5)
+    assert (boxes_only[at(slice(35, 45), slice(45, 55))] == 90).all() and (boxes_only != 90).any()
+
+
+@pytest.mark.parametrize("height, width, drawn", [
+    (128, 128, (512, 512)),  # the demo's images: 4x
+    (100, 150, (512, 768)),  # the shorter side reaches the minimum, the aspect ratio is kept
+    (700, 300, (1195, 512)),
+    (600, 900, (600, 900)),  # large enough: the original size
+])
+def test_pictures_are_drawn_at_the_original_size_or_upscaled_to_the_minimum_side(height, width, drawn):
+    image = np.full((height, width, 3), 90, np.uint8)
+    picture = visualize.draw_detections(image, np.zeros((0, 4)), np.zeros(0), np.zeros(0), None, {}, 0.5)
+    assert picture.shape == (*drawn, 3) == (*visualize.drawn_size(height, width), 3)
+    assert (picture == 90).all()
+
+
+def box_outline_columns(picture, row, background=90):
+    """The columns of `row` that differ from the background."""
+    return np.flatnonzero(np.any(picture[row] != background, axis=-1))
+
+
+@pytest.mark.parametrize("side, scale", [(128, 4), (1024, 1)])
+def test_boxes_land_where_the_objects_are_and_lines_scale_with_the_picture(side, scale):
+    # A box [ymin, xmin, ymax, xmax] in pixels of the image; the picture is `scale` times larger.
+    box = np.array([[side * 0.25, side * 0.125, side * 0.75, side * 0.625]], np.float32)
+    image = np.full((side, side, 3), 90, np.uint8)
+    picture = visualize.draw_detections(image, box, np.array([1]), np.array([0.9]), None, {}, 0.5)
+    assert picture.shape == (side * scale, side * scale, 3)
+    ymin, xmin, ymax, xmax = (box[0] * scale).astype(int)
+    # Halfway down the box, only its left and right edges are drawn, each line_width pixels wide inwards.
+    line_width = visualize.BOX_WIDTH * max(1, side * scale // visualize.MIN_DRAWN_SIDE)
+    columns = box_outline_columns(picture, (ymin + ymax) // 2)
+    expected = list(range(xmin, xmin + line_width)) + list(range(xmax - line_width + 1, xmax + 1))
+    assert columns.tolist() == expected
+    # The top edge lies on ymin, the label just above it (its glyphs about 0.7 of the font size tall, scaled
+    # with the picture), nothing below the box.
+    assert np.all(picture[ymin:ymin + line_width, xmin + 100:xmax] != 90)
+    label_rows = np.flatnonzero(np.any(picture[:ymin, xmin:xmax] != 90, axis=(1, 2)))
+    font_size = visualize.FONT_SIZE * side * scale / visualize.MIN_DRAWN_SIDE
+    assert len(label_rows) and font_size * 0.4 <= ymin - label_rows.min() <= font_size
+    assert not np.any(picture[ymax + 1:] != 90)
 
 
 # -- main.py infer --------------------------------------------------------------------------------------------
@@ -182,9 +231,12 @@ def test_infer_on_photos_skips_a_corrupt_file_and_writes_predictions_and_picture
         assert 1 <= p["category_id"] <= 5 and 0 <= p["score"] <= 1
     for name in images:
         picture = np.asarray(Image.open(output_dir / (os.path.splitext(name)[0] + ".png")))
-        assert picture.shape == (images[name]["height"], images[name]["width"], 3)
-    assert (np.asarray(Image.open(output_dir / "colour.png")) != np.asarray(Image.open(photo_folder / "colour.jpg")
-                                                                             .convert("RGB"))).any()
+        # At the original size, upscaled to a legible size (the generated photos are small).
+        assert picture.shape == (*visualize.drawn_size(images[name]["height"], images[name]["width"]), 3)
+        assert min(picture.shape[:2]) == visualize.MIN_DRAWN_SIDE
+    original = Image.open(photo_folder / "colour.jpg").convert("RGB")
+    assert (np.asarray(Image.open(output_dir / "colour.png")) != np.asarray(
+        original.resize(visualize.drawn_size(height, width)[::-1], Image.Resampling.BILINEAR))).any()
     assert not [name for name in os.listdir(output_dir) if ".tmp" in name]
 
 

@@ -2,8 +2,9 @@
 
 Layers, lowest first: ops <- model <- runtime; data and evaluation sit beside model (they may use ops and
 model, never runtime); config and arguments are read before TensorFlow is imported (`main.py --help`), so
-they use nothing of the package but config; cli is the top, imported by nobody. The package never imports
-the repository's own tools (main.py, dataset/, weights/, scripts/, tests/): they are not installed with it.
+they use nothing of the package but config; files and status, which any layer and script may use, use
+nothing of it; cli is the top, imported by nobody. The package never imports the repository's own tools
+(main.py, dataset/, weights/, scripts/, tests/): they are not installed with it.
 Imports are read with `ast`, all of them, also those inside functions, which run late but still bind one
 layer to another.
 """
@@ -30,6 +31,15 @@ FORBIDDEN = {
     "config": {"ops", "model", "runtime", "data", "evaluation", "arguments", "cli", "tensorflow", "keras"},
     "arguments": {"ops", "model", "runtime", "data", "evaluation", "cli", "tensorflow", "keras"},
     "cli": set(),
+    # Atomic file output and exit statuses: used by every layer and by the scripts (dataset/ without
+    # TensorFlow), so they use nothing of the package nor TensorFlow.
+    "files": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "status", "tensorflow",
+              "keras"},
+    "status": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "tensorflow",
+               "keras"},
+    # Named sets of config values: plain data, read by the command line.
+    "presets": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "status",
+                "tensorflow", "keras"},
     PACKAGE: set(),  # the package's __init__
 }
 # The repository's tools, which are not part of the installed package.

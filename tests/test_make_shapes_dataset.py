@@ -117,7 +117,7 @@ def test_files_are_valid_coco_with_ids_from_one(sample):
             with Image.open(os.path.join(root, split, image["file_name"])) as decoded:
                 assert (decoded.format, decoded.mode) == ("JPEG", "RGB")
                 assert decoded.size == (image["width"], image["height"])
-        leftovers = [f for _, _, files in os.walk(root) for f in files if f.endswith(".tmp")]
+        leftovers = [f for _, _, files in os.walk(root) for f in files if ".tmp" in f]
         assert leftovers == []
 
 
@@ -198,7 +198,7 @@ def test_interrupted_run_leaves_no_annotation_file(tmp_path, monkeypatch):
         shapes.make_shapes_dataset(root, num_train=3, num_val=0, seed=1, min_size=48, max_size=64)
     # The old file would describe images the second run has already replaced: it must be gone too.
     assert not annotation_file.exists()
-    assert [f for f in _all_files(root) if f.endswith(".tmp")] == []
+    assert [f for f in _all_files(root) if ".tmp" in f] == []
 
 
 def test_fixed_image_size_and_cli(tmp_path):

@@ -6,9 +6,10 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.config import Config
-from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, IMAGENET_STD, PADDING_CLASS, PADDING_MASK
-from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.ops.anchors import generate_anchors, rpn_targets
+from mrcnn_tf2.data.pipeline import PADDING_CLASS, PADDING_MASK
+from mrcnn_tf2.data.preprocess import normalize
+from mrcnn_tf2.model.factory import build_anchors, build_model
+from mrcnn_tf2.ops.anchors import rpn_targets
 
 IMAGE_SIZE = (128, 128)
 NUM_CLASSES = 4
@@ -43,9 +44,7 @@ def synthetic_batch(model_config, objects_per_image=(2, 1)):
 
     Image b holds objects_per_image[b] objects; the batch size is len(objects_per_image).
     """
-    anchors = model_config.model.anchors
-    anchor_boxes = generate_anchors(anchors.min_level, anchors.max_level, anchors.num_scales, anchors.aspect_ratios,
-                                    anchors.anchor_scale, IMAGE_SIZE)
+    anchor_boxes = build_anchors(model_config)
     rng = np.random.default_rng(1)
     images, boxes, classes, masks = [], [], [], []
     score_targets, box_targets = [], []
@@ -69,7 +68,7 @@ def synthetic_batch(model_config, objects_per_image=(2, 1)):
                 (((np.arange(h)[:, None] + 0.5) / h - 0.5) ** 2 + ((np.arange(w) + 0.5) / w - 0.5) ** 2) <= 0.25)
             region[shape] = [(255, 0, 0), (0, 255, 0), (0, 0, 255)][cls - 1]
         targets = rpn_targets(anchor_boxes, image_boxes, IMAGE_SIZE, seed=tf.constant([b, 5]))
-        images.append((image - IMAGENET_MEAN) / IMAGENET_STD)
+        images.append(normalize(image))
         boxes.append(image_boxes)
         classes.append(image_classes)
         masks.append(image_masks)

@@ -11,7 +11,11 @@ import tensorflow as tf
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, flip_horizontally,
-                                     notice_record_sharding, resize_and_pad, worker_records)
+                                     notice_record_sharding, worker_records)
+from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
+from mrcnn_tf2.model.factory import build_anchors
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
+from mrcnn_tf2.ops import anchors as anchor_ops
 
 IMAGE_SIZE = (128, 192)
 MAX_INSTANCES = 24
@@ -34,6 +38,11 @@ def make_config(augment=False, seed=7):
     return config
 
 
+def training_pipeline(config, rpn_targets=anchor_ops.rpn_targets):
+    """The training input of `config`, labelling the anchors a model of it has (as the Trainer gives them)."""
+    return InputPipeline(config, training=True, anchors=build_anchors(config), rpn_targets=rpn_targets)
+
+
 def originals(pattern):
     """{source_id: decoded example as NumPy} for every record matching the pattern."""
     result = {}
@@ -51,7 +60,7 @@ def first_batches(pipeline, pattern, count, batch_size=2):
 
 def test_training_batch_shapes_dtypes_and_padding(records):
     train, _, annotations = records
-    (batch,) = first_batches(InputPipeline(make_config(), training=True), train, 1)
+    (batch,) = first_batches(training_pipeline(make_config()), train, 1)
     assert batch["images"].shape == (2, *IMAGE_SIZE, 3) and batch["images"].dtype == np.float32
     assert batch["image_info"].shape == (2, 5)
     assert batch["gt_boxes"].shape == (2, MAX_INSTANCES, 4)
@@ -85,7 +94,7 @@ def test_training_batch_shapes_dtypes_and_padding(records):
 def test_image_info_maps_boxes_back_to_the_original_image(records):
     train, _, _ = records
     source = originals(train)
-    (batch,) = first_batches(InputPipeline(make_config(augment=False), training=True), train, 1)
+    (batch,) = first_batches(training_pipeline(make_config(augment=False)), train, 1)
     for i in range(2):
         example = source[int(batch["source_ids"][i])]
         scaled_h, scaled_w, inverse_scale, height, width = batch["image_info"][i]
@@ -100,8 +109,8 @@ def test_image_info_maps_boxes_back_to_the_original_image(records):
 
 def test_flip_moves_image_boxes_and_masks_together(records):
     train, _, _ = records
-    plain = first_batches(InputPipeline(make_config(augment=False), training=True), train, 4)
-    augmented = first_batches(InputPipeline(make_config(augment=True), training=True), train, 4)
+    plain = first_batches(training_pipeline(make_config(augment=False)), train, 4)
+    augmented = first_batches(training_pipeline(make_config(augment=True)), train, 4)
     flipped_count = 0
     for a, b in zip(plain, augmented):
         np.testing.assert_array_equal(a["source_ids"], b["source_ids"])  # same seed, same order
@@ -124,8 +133,8 @@ def test_flip_moves_image_boxes_and_masks_together(records):
 
 def test_seeded_training_is_reproducible(records):
     train, _, _ = records
-    first = first_batches(InputPipeline(make_config(augment=True, seed=11), training=True), train, 2)
-    second = first_batches(InputPipeline(make_config(augment=True, seed=11), training=True), train, 2)
+    first = first_batches(training_pipeline(make_config(augment=True, seed=11)), train, 2)
+    second = first_batches(training_pipeline(make_config(augment=True, seed=11)), train, 2)
     for a, b in zip(first, second):
         tf.nest.map_structure(np.testing.assert_array_equal, a, b)
 
@@ -166,7 +175,7 @@ def test_training_with_fewer_files_than_workers_reads_only_its_records_and_says_
     notice_record_sharding.cache_clear()  # other tests may have printed it
     in_file_order = list(originals(val))
     for worker in (0, 1, 0):  # worker 0 twice, as training builds its dataset twice
-        batches = InputPipeline(make_config(), training=True).dataset(val, 1, worker, 2).take(10)
+        batches = training_pipeline(make_config()).dataset(val, 1, worker, 2).take(10)
         assert {int(b["source_ids"][0]) for b in batches} == set(in_file_order[worker::2])
     assert capsys.readouterr().out.count("keeps 1 record in 2") == 1
 
@@ -176,7 +185,7 @@ def test_fewer_records_than_workers_is_an_error(tmp_path, records):
     with tf.io.TFRecordWriter(path) as writer:
         writer.write(next(iter(tf.data.TFRecordDataset(tf.io.gfile.glob(records[1])))).numpy())
     with pytest.raises(ValueError, match="fewer records than the 2 workers"):
-        InputPipeline(make_config(), training=True).dataset(path, 1, 1, 2)
+        training_pipeline(make_config()).dataset(path, 1, 1, 2)
 
 
 def test_crop_instance_masks_samples_at_pixel_centres():
@@ -203,9 +212,9 @@ def test_flip_horizontally_is_consistent_with_cropping(rng):
     np.testing.assert_allclose(flipped_crops.numpy(), recropped.numpy(), atol=1e-5)
 
 
-def test_resize_and_pad_keeps_aspect_and_normalises():
+def test_resize_normalize_pad_keeps_aspect_and_normalises():
     image = tf.fill([100, 50, 3], tf.constant(200, tf.uint8))
-    padded, info, scale = resize_and_pad(image, IMAGE_SIZE)
+    padded, info, scale = resize_normalize_pad(image, IMAGE_SIZE)
     assert float(scale) == pytest.approx(1.28)
     np.testing.assert_allclose(info.numpy(), [128, 64, 1 / 1.28, 100, 50], rtol=1e-6)
     np.testing.assert_allclose(padded[:, :64].numpy(), np.broadcast_to((200 - np.array([123.675, 116.28, 103.53]))
@@ -214,10 +223,42 @@ def test_resize_and_pad_keeps_aspect_and_normalises():
     assert not padded[:, 64:].numpy().any()
 
 
+def test_preprocessing_of_decoded_bytes_equals_the_pixels_and_the_mean_colour_normalises_to_zero(rng):
+    pixels = rng.integers(0, 256, (30, 70, 3), dtype=np.uint8)
+    png = tf.io.encode_png(pixels)
+    np.testing.assert_array_equal(decode_image(png).numpy(), pixels)
+    np.testing.assert_array_equal(decode_image(tf.io.encode_png(pixels[..., :1])).numpy(),
+                                  np.repeat(pixels[..., :1], 3, axis=-1))  # grayscale becomes RGB
+    padded, info, _ = resize_normalize_pad(decode_image(png), IMAGE_SIZE)
+    want, want_info, _ = resize_normalize_pad(tf.constant(pixels), IMAGE_SIZE)
+    np.testing.assert_array_equal(padded.numpy(), want.numpy())
+    np.testing.assert_array_equal(info.numpy(), want_info.numpy())
+    mean = tf.constant(np.broadcast_to(np.float32(IMAGENET_MEAN), (8, 8, 3)))
+    np.testing.assert_allclose(resize_normalize_pad(mean, (16, 16))[0].numpy(), 0.0, atol=1e-6)
+
+
+def test_the_training_input_labels_the_anchors_it_is_given_with_the_function_it_is_given(records):
+    train, _, _ = records
+    config = make_config()
+    with pytest.raises(ValueError, match="anchors"):
+        InputPipeline(config, training=True)
+    InputPipeline(config, training=False)  # evaluation needs neither
+    anchors = build_anchors(config)
+    seen = []
+
+    def spy(given, *args, **kwargs):
+        seen.append(given)
+        return anchor_ops.rpn_targets(given, *args, **kwargs)
+
+    pipeline = InputPipeline(config, training=True, anchors=anchors, rpn_targets=spy)
+    pipeline.preprocess_train(tf.constant(0, tf.int64), next(iter(tf.data.TFRecordDataset(tf.io.gfile.glob(train)))))
+    assert seen and all(given is anchors for given in seen)
+
+
 def test_missing_files_name_the_pattern(tmp_path):
     pattern = os.path.join(str(tmp_path), "train-*.tfrecord")
     with pytest.raises(ValueError, match="train-"):
-        InputPipeline(make_config(), training=True).dataset(pattern, 2)
+        training_pipeline(make_config()).dataset(pattern, 2)
 
 
 def test_a_matched_file_that_is_not_a_tfrecord_is_named(tmp_path, records):
@@ -237,7 +278,7 @@ def test_images_without_objects_decode_and_train_as_negatives(records):
     empty = [example for example in originals(train).values() if len(example["gt_classes"]) == 0]
     assert empty, "the generated split should hold an image without objects"
     assert empty[0]["gt_masks"].shape == (0, *empty[0]["image"].shape[:2])
-    pipeline = InputPipeline(make_config(), training=True)
+    pipeline = training_pipeline(make_config())
     example = pipeline.preprocess_train(tf.constant(0, tf.int64), next(
         s for path in sorted(tf.io.gfile.glob(train)) for s in tf.data.TFRecordDataset(path)
         if int(decode_example(s)["source_id"]) == int(empty[0]["source_id"])))

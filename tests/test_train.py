@@ -15,10 +15,12 @@ import tensorflow as tf
 
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import Config
+from mrcnn_tf2.model.factory import choose_ops
 from mrcnn_tf2.runtime import precision
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
+from mrcnn_tf2.status import FAILURE
 # As a sibling, not tests.test_model: tests/distributed_sync.py imports this module when horovodrun runs it as
 # a script, where only tests/ is on sys.path.
 from test_model import small_config, synthetic_batch
@@ -149,7 +151,7 @@ def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_rec
     config.train.learning_rate_boundaries = (0.0,)
     config.train.warmup_min_steps = 0
     config.train.epochs = 50
-    assert train_runtime.Trainer(config).run() == train_runtime.EXIT_NON_FINITE
+    assert train_runtime.Trainer(config).run() == FAILURE == 1  # the message names the cause
     log = read_log(tmp_path / "log.jsonl")
     (stopped,) = [r for r in log if r["event"] == "stopped"]
     failed_step = int(stopped["reason"].split("non-finite loss at step ")[1].split()[0])
@@ -195,10 +197,24 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_re
         rates.setdefault(record["step"], set()).add(round(record["learning_rate"], 10))
     assert all(len(values) == 1 for values in rates.values())
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-8")
-    # Rerunning a finished run trains no further.
-    again = start_training(tmp_path, shapes_records["data_dir"])
-    output, _ = again.communicate(timeout=300)
-    assert again.returncode == 0 and "already trained" in output
+    # The run saved its resolved config; rerunning with the model directory alone resumes the same run,
+    # and so trains no further.
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == [r for r in log if r["event"] == "start"][-1]["config"]
+    assert saved["model"]["backbone"] == "resnet18" and saved["train"]["steps_per_epoch"] == 4
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
+    again = subprocess.run(main_py("train", "--model_dir", str(tmp_path)), cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "already trained" in again.stdout, again.stdout + again.stderr
+    # eval needs only what it adds; the saved model's shape cannot be changed by a flag.
+    evaluated = subprocess.run(main_py("eval", "--model_dir", str(tmp_path), "--eval_file", shapes_records["val_json"],
+                                       "--eval_samples", "2", "--eval_batch_size", "2"),
+                               cwd=ROOT, capture_output=True, text=True)
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert results["step"] == 8 and results["num_images"] == 2
+    contradicted = subprocess.run(main_py("eval", "--model_dir", str(tmp_path), "--backbone", "resnet34"),
+                                  cwd=ROOT, capture_output=True, text=True)
+    assert contradicted.returncode == 2 and "resnet34" in contradicted.stderr and "resnet18" in contradicted.stderr
 
 
 @pytest.mark.slow
@@ -282,6 +298,30 @@ def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records
     assert [step for step in range(1, 24) if every_two.due(step, last_step=23)] == [10, 20, 23]
     config.eval.eval_every_epochs, config.eval.min_bbox_map = None, 0.3  # a target evaluates every epoch
     assert [s for s in range(1, 16) if TrainingEvaluator.from_config(config, 5).due(s, 15)] == [5, 10, 15]
+
+
+def test_the_training_input_labels_the_models_own_anchors_with_the_factorys_op(shapes_records, monkeypatch):
+    config = small_config()
+    config.data.data_dir = shapes_records["data_dir"]
+    config.model.num_classes = 6
+    config.model.anchors.anchor_scale = 4.0  # not the default anchors
+    config.train.steps_per_epoch = 1
+    given = {}
+
+    class RecordingPipeline(train_runtime.InputPipeline):
+        def __init__(self, config, training, anchors=None, rpn_targets=None):
+            given.update(anchors=anchors, rpn_targets=rpn_targets)
+            super().__init__(config, training, anchors, rpn_targets)
+
+    monkeypatch.setattr(train_runtime, "InputPipeline", RecordingPipeline)
+    trainer = train_runtime.Trainer(config)
+    batch = next(iter(trainer.dataset(0)))
+    anchors = trainer.model.anchors
+    assert given["anchors"].keys() == anchors.keys()
+    for level, boxes in anchors.items():
+        np.testing.assert_array_equal(given["anchors"][level], boxes)
+        assert np.prod(batch["rpn_score_targets"][level].shape[1:]) == len(boxes)  # one label per anchor
+    assert given["rpn_targets"] is choose_ops(config).rpn_targets
 
 
 def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shapes_records, capsys):

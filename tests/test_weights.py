@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mrcnn_tf2 import status
 from mrcnn_tf2.config import ConfigError, ModelConfig
 from mrcnn_tf2.model.backbone import ResNet
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, check_backbone_metadata
@@ -161,22 +162,22 @@ def test_bad_input_files_fail_naming_the_file(keras_resnet, tmp_path, capsys):
     _, path = keras_resnet
     prefix = str(tmp_path / "out" / "resnet")
     missing = str(tmp_path / "missing.h5")
-    assert conv.main(["--h5", missing, "--output", prefix]) == conv.EXIT_BAD_INPUT
+    assert conv.main(["--h5", missing, "--output", prefix]) == status.BAD_INPUT
     assert f"--h5 {missing}: no such file" in capsys.readouterr().err
 
     junk = tmp_path / "junk.h5"
     junk.write_bytes(b"not an hdf5 file")
-    assert conv.main(["--h5", str(junk), "--output", prefix]) == conv.EXIT_BAD_INPUT
+    assert conv.main(["--h5", str(junk), "--output", prefix]) == status.BAD_INPUT
     assert f"{junk}: cannot read it as a Keras HDF5 weights file" in capsys.readouterr().err
 
     # ResNet-50's file lacks conv4_block7..23 of ResNet-101.
-    assert conv.main(["--h5", path, "--output", prefix, "--depth", "101"]) == conv.EXIT_BAD_INPUT
+    assert conv.main(["--h5", path, "--output", prefix, "--depth", "101"]) == status.BAD_INPUT
     err = capsys.readouterr().err
     assert f"{path}: its layers do not match keras.applications ResNet101" in err and "conv4_block10_1_bn" in err
 
     incomplete = str(tmp_path / "incomplete.h5")
     write_keras2_weights_h5(keras_resnet[0], incomplete, skip={"conv3_block2_2_bn"})
-    assert conv.main(["--h5", incomplete, "--output", prefix]) == conv.EXIT_BAD_INPUT
+    assert conv.main(["--h5", incomplete, "--output", prefix]) == status.BAD_INPUT
     err = capsys.readouterr().err
     assert "1 missing" in err and "conv3_block2_2_bn" in err and "0 unexpected" in err
     assert not (tmp_path / "out").exists()

@@ -30,16 +30,17 @@ Conventions of the conversion (all exact, up to float32 rounding):
 """
 
 import argparse
+import glob
 import json
 import os
 import sys
-import uuid
 
 import h5py
 import keras
 import numpy as np
 import tensorflow as tf
 
+from mrcnn_tf2 import files, status
 from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, backbone_metadata
 
@@ -50,8 +51,6 @@ CAFFE_MEAN_RGB = (123.68, 116.779, 103.939)
 TOP_LAYERS = frozenset({"predictions"})
 # Input side used to create the backbone's variables before assigning them (any multiple of 32 works).
 BUILD_SIDE = 64
-EXIT_BAD_INPUT = 2
-EXIT_INCOMPLETE = 1
 
 
 def conv_bn_layers(resnet):
@@ -190,14 +189,18 @@ def convert_keras_resnet(keras_model, depth, path="keras model", input_mean=IMAG
     return resnet
 
 
-def _rename_all(temporary, prefix):
+def _temporary_files(temporary):
+    """The files of the checkpoint (and its JSON) written at the prefix `temporary`."""
+    return glob.glob(f"{glob.escape(temporary)}.*")
+
+
+def _commit_all(temporary, prefix):
     """Renames the files `temporary`.* to `prefix`.*, the index last: until then no checkpoint is readable."""
-    files = sorted(tf.io.gfile.glob(f"{temporary}.*"), key=lambda name: name.endswith(".index"))
-    if tf.io.gfile.exists(f"{prefix}.index"):
-        # An older checkpoint at the prefix must not look complete while its data is being replaced.
-        tf.io.gfile.remove(f"{prefix}.index")
-    for name in files:
-        tf.io.gfile.rename(name, prefix + name[len(temporary):], overwrite=True)
+    names = sorted(_temporary_files(temporary), key=lambda name: name.endswith(".index"))
+    # An older checkpoint at the prefix must not look complete while its data is being replaced.
+    files.remove(f"{prefix}.index")
+    for name in names:
+        files.commit(name, prefix + name[len(temporary):])
 
 
 def _check_complete(prefix, resnet):
@@ -221,17 +224,18 @@ def write_checkpoint(resnet, prefix, metadata):
     """
     directory = os.path.dirname(prefix)
     if directory:
-        tf.io.gfile.makedirs(directory)
-    temporary = f"{prefix}.tmp-{uuid.uuid4().hex}"
+        os.makedirs(directory, exist_ok=True)
+    # The checkpoint's files are written together under one temporary prefix, then committed one by one.
+    temporary = files.temporary_path(prefix)
     try:
         tf.train.Checkpoint(backbone=resnet).write(temporary)
         _check_complete(temporary, resnet)
-        with tf.io.gfile.GFile(f"{temporary}.json", "w") as f:
+        with open(f"{temporary}.json", "w", encoding="utf-8") as f:
             json.dump(metadata, f, indent=2)
-        _rename_all(temporary, prefix)
+        _commit_all(temporary, prefix)
     finally:
-        for name in tf.io.gfile.glob(f"{temporary}.*"):
-            tf.io.gfile.remove(name)
+        for name in _temporary_files(temporary):
+            files.remove(name)
     return prefix
 
 
@@ -259,19 +263,19 @@ def build_parser():
 
 
 def main(argv=None):
-    """Command-line entry; returns the exit status: 0, EXIT_BAD_INPUT when the file cannot be converted, or
-    EXIT_INCOMPLETE when the backbone's checkpoint would miss variables (nothing is written then)."""
+    """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, BAD_INPUT when the file cannot be
+    converted, or FAILURE when the backbone's checkpoint would miss variables (nothing is written then)."""
     args = build_parser().parse_args(argv)
     try:
         metadata = convert_file(args.h5, args.output, args.depth)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return status.BAD_INPUT
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_INCOMPLETE
+        return status.FAILURE
     print(f"wrote {args.output} ({metadata['backbone']}, stride_in_1x1=true) from {metadata['source']}")
-    return 0
+    return status.OK
 
 
 if __name__ == "__main__":

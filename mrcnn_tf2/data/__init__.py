@@ -1,2 +1,2 @@
-"""tf.data input pipeline: TFRecord parsing, augmentation, GT mask crops, anchor labels; and the dataset
-scripts' file output (coco_io, without TensorFlow)."""
+"""tf.data input pipeline: TFRecord parsing, image preprocessing, augmentation, GT mask crops, anchor labels; and
+the dataset scripts' JPEG encoding (coco_io, without TensorFlow)."""

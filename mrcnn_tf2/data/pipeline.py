@@ -3,15 +3,18 @@
 Training: files matching the pattern -> this worker's share (`worker_records`: its own files read
 interleaved, or every N-th record when there are fewer files than N workers) -> shuffle -> decode ->
 drop crowd -> random horizontal flip (image, boxes, mask crops together) -> aspect-preserving resize
-to fit image_size -> ImageNet normalisation -> pad bottom/right -> GT masks cropped to their boxes at
-gt_mask_size -> GT padded to max_num_instances with -1 -> RPN targets per level -> batch -> prefetch.
+to fit image_size, ImageNet normalisation, pad bottom/right (`preprocess.resize_normalize_pad`, as infer
+and export do) -> GT masks cropped to their boxes at gt_mask_size -> GT padded to max_num_instances
+with -1 -> RPN targets per level -> batch -> prefetch.
 Evaluation: image, image_info and source_id only.
 
 Boxes are [ymin, xmin, ymax, xmax] float32 in pixels of the resized, padded image.
 `image_info` is [scaled_h, scaled_w, 1 / scale, original_h, original_w]: multiplying a box by
 image_info[2] maps it back to original-image pixels.
 
-This module reads the config; the ops it calls take plain arguments.
+This module reads the config's data settings; the ops it calls take plain arguments. The choice of fused ops
+or twins is not made here: the runtime passes in the anchor-labelling function the factory chose, and the
+model's anchors.
 
 Glossary: B batch, M = max_num_instances, S = gt_mask_size, H x W = image_size, H_l x W_l the size of
 FPN level l, A anchors per cell.
@@ -22,11 +25,9 @@ import functools
 import tensorflow as tf
 
 from mrcnn_tf2.data.decoder import decode_example
-# The normalisation the ImageNet-pretrained backbone expects (that module checks converted checkpoints too).
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
-from mrcnn_tf2.ops import anchors as anchor_ops
-from mrcnn_tf2.ops import fused as fused_ops
+from mrcnn_tf2.data.preprocess import resize_normalize_pad
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
+
 # Class id and mask value of a padded ground-truth slot (padded boxes are PADDING_BOX_VALUE).
 PADDING_CLASS = -1
 PADDING_MASK = -1.0
@@ -94,28 +95,6 @@ def flip_horizontally(image, boxes, *mask_crops):
     return (image[:, ::-1, :], boxes, *[crops[:, :, ::-1] for crops in mask_crops])
 
 
-def resize_and_pad(image, image_size):
-    """Aspect-preserving resize to fit image_size, ImageNet normalisation, zero padding bottom/right.
-
-    Args:
-      image: [h, w, 3] uint8 RGB.
-      image_size: (H, W) of the output.
-
-    Returns:
-      (image [H, W, 3] float32 normalised, image_info [5] float32
-       [scaled_h, scaled_w, 1 / scale, h, w], scale scalar float32).
-    """
-    original = tf.cast(tf.shape(image)[:2], tf.float32)
-    target = tf.constant(image_size, tf.float32)
-    scale = tf.reduce_min(target / original)
-    scaled = tf.minimum(tf.round(original * scale), target)
-    resized = tf.image.resize(tf.cast(image, tf.float32), tf.cast(scaled, tf.int32), method="bilinear")
-    normalized = (resized - IMAGENET_MEAN) / IMAGENET_STD
-    padded = tf.image.pad_to_bounding_box(normalized, 0, 0, image_size[0], image_size[1])
-    image_info = tf.concat([scaled, [1.0 / scale], original], axis=0)
-    return padded, image_info, scale
-
-
 def check_tfrecord_file(path, file_pattern):
     """Raises ValueError naming `path` when its first record is not a TFRecord (e.g. a JSON file that the
     pattern also matched); reading stops there, so this costs one record per file."""
@@ -178,27 +157,33 @@ def pad_instances(tensor, size, value):
 class InputPipeline:
     """Builds the training or evaluation tf.data.Dataset from a Config.
 
-    Usage: `InputPipeline(config, training=True).dataset(pattern, batch_size, shard_index, num_shards)`.
+    Usage: `InputPipeline(config, training=True, anchors=model.anchors, rpn_targets=ops.rpn_targets)
+    .dataset(pattern, batch_size, shard_index, num_shards)`; in evaluation `InputPipeline(config,
+    training=False)`.
     """
 
-    def __init__(self, config, training):
+    def __init__(self, config, training, anchors=None, rpn_targets=None):
+        """
+        Args:
+          config: the run's Config (data, model, train.seed).
+          training: the training input (augmented, with ground truth and RPN targets) or the evaluation input.
+          anchors: {level: [H_l*W_l*A, 4] float32} the model's own anchors (`MaskRCNN.anchors`), which the RPN
+            targets label; training only. Taken from the model so that the two can never disagree.
+          rpn_targets: `ops.anchors.rpn_targets` or its fused twin, as the factory's `choose_ops` decides
+            (`OpChoice.rpn_targets`); training only.
+
+        Raises:
+          ValueError: training without anchors or rpn_targets.
+        """
+        if training and (anchors is None or rpn_targets is None):
+            raise ValueError("the training input needs the model's anchors and the rpn_targets function")
         self.data = config.data
         self.model = config.model
         self.training = training
         self.seed = config.train.seed
-        # The fused anchor labelling gives the same targets as the twin for the same seed. XLA does not
-        # apply here: tf.data functions are not jit-compiled.
-        self.rpn_targets = (fused_ops.rpn_targets if fused_ops.use_fused(config.runtime.custom_ops)
-                            else anchor_ops.rpn_targets)
-        anchors = self.model.anchors
-        self.anchors = anchor_ops.generate_anchors(
-            anchors.min_level,
-            anchors.max_level,
-            anchors.num_scales,
-            anchors.aspect_ratios,
-            anchors.anchor_scale,
-            self.data.image_size,
-        )
+        # XLA does not apply to these: tf.data functions are not jit-compiled.
+        self.rpn_targets = rpn_targets
+        self.anchors = anchors
 
     def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
@@ -268,7 +253,7 @@ class InputPipeline:
             flip = tf.random.stateless_uniform([], flip_seed) < 0.5
             parts = tf.cond(flip, lambda: flip_horizontally(*parts), lambda: parts)
         image, boxes = parts[:2]
-        image, image_info, scale = resize_and_pad(image, data.image_size)
+        image, image_info, scale = resize_normalize_pad(image, data.image_size)
         boxes = pad_instances(boxes * scale, data.max_num_instances, PADDING_BOX_VALUE)
         features = {
             "images": image,
@@ -297,5 +282,5 @@ class InputPipeline:
     def preprocess_eval(self, serialized):
         """One evaluation example: dict with images [H, W, 3] float32, image_info [5], source_ids int64."""
         example = decode_example(serialized, include_masks=False)
-        image, image_info, _ = resize_and_pad(example["image"], self.data.image_size)
+        image, image_info, _ = resize_normalize_pad(example["image"], self.data.image_size)
         return {"images": image, "image_info": image_info, "source_ids": example["source_id"]}

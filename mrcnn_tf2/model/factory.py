@@ -1,4 +1,11 @@
-"""The one place that reads the config to build the model: parts in, `MaskRCNN` out."""
+"""The one place that reads the config to build the model: parts in, `MaskRCNN` out.
+
+It also makes the run's other model-shaped decisions once, for every user: `choose_ops` (fused C++ ops or
+their pure-TF twins, XLA) for the model, the input pipeline's RPN targets and the mask encoding of
+evaluation and inference; `build_anchors` for the model, whose `anchors` the input pipeline labels.
+"""
+
+import dataclasses
 
 from mrcnn_tf2.model.backbone import ResNet
 from mrcnn_tf2.model.fpn import FPN
@@ -6,25 +13,85 @@ from mrcnn_tf2.model.heads import BoxHead, MaskHead, RPNHead
 from mrcnn_tf2.model.mask_rcnn import MaskRCNN
 from mrcnn_tf2.model.stages import (DetectionGenerator, MaskTargetGenerator, ProposalGenerator, RoIAligner,
                                     RoISampler)
-from mrcnn_tf2.ops.anchors import generate_anchors
-from mrcnn_tf2.ops.fused import use_fused
+from mrcnn_tf2.ops import anchors as anchor_ops
+from mrcnn_tf2.ops import fused as fused_ops
+from mrcnn_tf2.ops import masks as mask_ops
 
 # RoIAlign output sides of the box and mask heads (Mask R-CNN paper); the mask head doubles the latter.
 BOX_ROI_SIZE = 7
 MASK_ROI_SIZE = 14
 
 
+@dataclasses.dataclass(frozen=True)
+class OpChoice:
+    """Which implementation each part of a run uses (see `choose_ops`).
+
+    fused: the non-learned stages (proposals, RoIAlign, mask targets), the input pipeline's RPN targets and
+      the mask encoding of evaluation and inference run the fused C++ ops, else their pure-TF twins.
+    fused_convs: the 3x3 convs of backbone, FPN, RPN head and mask head run the fused Winograd op.
+    jit_dense: the learned layers are XLA-compiled (the non-learned stages run between them).
+    """
+
+    fused: bool
+    fused_convs: bool
+    jit_dense: bool
+
+    @property
+    def rpn_targets(self):
+        """`ops.anchors.rpn_targets` or its fused twin (same signature, same targets for the same seed)."""
+        return fused_ops.rpn_targets if self.fused else anchor_ops.rpn_targets
+
+    @property
+    def mask_encoder(self):
+        """`ops.masks.encode_pasted_masks` or its fused twin (same signature, same RLE)."""
+        return fused_ops.encode_pasted_masks if self.fused else mask_ops.encode_pasted_masks
+
+
+def choose_ops(config, export=False):
+    """The one decision of which ops a run uses: every part that has a fused twin asks here.
+
+    runtime.custom_ops picks fused ops or twins (`fused.use_fused`: 'auto' falls back to the twins, with one
+    warning, when the library is unusable); runtime.xla compiles the learned layers, which then cannot hold
+    the fused convs. `export=True`: the pure-TF twins and no XLA, whatever the flags say, because an
+    exported SavedModel must load in any TensorFlow process without the ops library.
+
+    Args:
+      config: a mrcnn_tf2.config.Config (reads runtime.custom_ops and runtime.xla).
+      export: the choice for an exported model.
+
+    Returns:
+      an `OpChoice`.
+
+    Raises:
+      fused.CustomOpsUnavailable: custom_ops is 'on' and the library is unusable.
+    """
+    fused = not export and fused_ops.use_fused(config.runtime.custom_ops)
+    xla = config.runtime.xla and not export
+    # The 3x3 convs' fused ops would sit inside the XLA-compiled layers, which cannot hold them.
+    return OpChoice(fused=fused, fused_convs=fused and not xla, jit_dense=xla)
+
+
+def build_anchors(config):
+    """The anchor boxes of the model input's size, {level: [H_l*W_l*A, 4] float32 NumPy} (`generate_anchors`).
+
+    The model is built with them (`MaskRCNN.anchors`); the input pipeline labels the model's own.
+    """
+    anchors = config.model.anchors
+    return anchor_ops.generate_anchors(anchors.min_level, anchors.max_level, anchors.num_scales,
+                                       anchors.aspect_ratios, anchors.anchor_scale, config.data.image_size)
+
+
 def build_model(config, export=False):
     """A MaskRCNN for `config` (a mrcnn_tf2.config.Config), with freshly initialised weights.
 
-    The non-learned stages run the fused C++ ops as `runtime.custom_ops` says, except with `export=True`:
-    an exported SavedModel must load without the ops library. `runtime.xla` compiles the dense layers. Raises `fused.CustomOpsUnavailable` when custom_ops is 'on' and the library is unusable.
+    Its ops are those `choose_ops(config, export)` decides: with `export=True` the pure-TF twins, so that
+    an exported SavedModel loads without the ops library. Raises `fused.CustomOpsUnavailable` when
+    custom_ops is 'on' and the library is unusable.
     """
     config = config.resolved()
-    model, data = config.model, config.data
-    fused = not export and use_fused(config.runtime.custom_ops)
-    # The 3x3 convs' fused ops would sit inside the XLA-compiled layers of --xla, which cannot hold them.
-    fused_convs = fused and not config.runtime.xla
+    model = config.model
+    ops = choose_ops(config, export)
+    fused, fused_convs = ops.fused, ops.fused_convs
     anchors, rpn, roi = model.anchors, model.rpn, model.roi
     if model.mrcnn_resolution != 2 * MASK_ROI_SIZE:
         raise ValueError(f"mrcnn_resolution {model.mrcnn_resolution}: the mask head outputs {2 * MASK_ROI_SIZE}")
@@ -69,11 +136,8 @@ def build_model(config, export=False):
             nms_threshold=model.test.test_nms,
             bbox_reg_weights=tuple(model.bbox_reg_weights),
         ),
-        anchors=generate_anchors(
-            anchors.min_level, anchors.max_level, anchors.num_scales, anchors.aspect_ratios,
-            anchors.anchor_scale, data.image_size,
-        ),
-        jit_dense=config.runtime.xla and not export,
+        anchors=build_anchors(config),
+        jit_dense=ops.jit_dense,
         loss_weights={
             "rpn_box": model.loss.rpn_box_loss_weight,
             "fast_rcnn_box": model.loss.fast_rcnn_box_loss_weight,

@@ -36,7 +36,9 @@ class MaskRCNN(TracksSublayers, keras.Model):
     Example:
       model = build_model(config)                                      # mrcnn_tf2.model.factory
       model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
-      model.fit(InputPipeline(config, training=True).dataset(pattern, 2), steps_per_epoch=10)
+      inputs = InputPipeline(config, training=True, anchors=model.anchors,
+                             rpn_targets=choose_ops(config).rpn_targets)  # mrcnn_tf2.data.pipeline
+      model.fit(inputs.dataset(pattern, 2), steps_per_epoch=10)
       detections = model.predict_on_batch(eval_batch)
     """
 
@@ -62,6 +64,12 @@ class MaskRCNN(TracksSublayers, keras.Model):
         self.jit_dense = jit_dense
         # (layer, training) -> the layer's XLA-compiled call; kept out of Keras' attribute tracking.
         object.__setattr__(self, "_compiled_layers", {})
+
+    @property
+    def anchors(self):
+        """{level: [H_l*W_l*A, 4] float32 NumPy} the anchor boxes the RPN head's outputs refer to, row-major
+        over (y, x, anchor): the training input labels these (RPN targets), so both use the same boxes."""
+        return {level: boxes.numpy() for level, boxes in self._anchors.items()}
 
     def _dense(self, layer, inputs, training):
         """layer(inputs, training=training); under jit_dense XLA-compiled once the layer is built.

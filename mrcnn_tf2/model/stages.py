@@ -3,7 +3,7 @@
 The model receives these as parts, like its layers, so that `call` reads as the pipeline and the factory
 alone maps config to parameters. They hold no weights and must not read the config. Stages with a fused
 C++ op take `fused`: True runs `mrcnn_tf2.ops.fused`, False the pure-TF twin (same signature and result);
-the factory decides (`fused.use_fused`).
+the factory decides (`factory.choose_ops`).
 
 Glossary: B batch, P proposals, S sampled RoIs, F foreground RoI slots, D detections, K classes.
 """

@@ -5,14 +5,15 @@ is ``tf.nn.conv2d`` at stride 1, 'SAME') and returns the same result (to float r
 the argument checks are the twin's own. The C++ sources are in ``ops/``, built by ``ops/build.sh`` (which
 ``scripts/setup.sh`` runs).
 
-``use_fused(mode)`` is the one place that decides which implementation runs: 'off' -> twins;
-'auto' -> fused when the library loads, else one warning and twins; 'on' -> fused, or
-``CustomOpsUnavailable`` naming the library and the reason. A custom op cannot be compiled into an XLA
-cluster: under --xla the model compiles only its dense layers and these ops run between them (the 3x3
-conv's, which would sit inside those layers, is then off). Exported
+``use_fused(mode)`` says whether ``--custom_ops`` ``mode`` can run them: 'off' -> twins; 'auto' -> fused
+when the library loads, else one warning and twins; 'on' -> fused, or ``CustomOpsUnavailable`` naming the
+library and the reason. The run's choice is made once, from it, by ``mrcnn_tf2.model.factory.choose_ops``.
+A custom op cannot be compiled into an XLA cluster: under --xla the model compiles only its dense layers
+and these ops run between them (the 3x3 conv's, which would sit inside those layers, is then off). Exported
 SavedModels use the twins, so that they load without the library (the factory's ``export`` argument).
 
-This module must not read the config; the factory passes the decision to the stage objects and layers.
+This module must not read the config; the factory passes the decision to the stage objects and layers, and to
+the runtime for the input pipeline and the mask encoding.
 """
 import json
 import os
@@ -294,8 +295,3 @@ def encode_pasted_masks(masks, boxes, image_hw, threshold):
                                                           threshold=float(threshold))
     return mask_ops.compress_run_lengths(counts.numpy(), splits.numpy().tolist(), height, width)
 
-
-def mask_encoder_for(mode):
-    """The mask encoder that evaluation and inference use for ``--custom_ops`` ``mode``: this module's
-    ``encode_pasted_masks`` when ``use_fused(mode)`` (it runs in NumPy land, never under XLA), else the twin."""
-    return encode_pasted_masks if use_fused(mode) else mask_ops.encode_pasted_masks

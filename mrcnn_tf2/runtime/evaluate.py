@@ -4,39 +4,29 @@ The run restores the model weights of the newest checkpoint (not the optimizer),
 eval.eval_samples validation images in batches of eval.eval_batch_size, turns the detections into COCO
 results (boxes [x, y, w, h] and RLE masks in original-image pixels, see `mrcnn_tf2.evaluation.coco_metrics`),
 scores them with COCOeval against eval.eval_file, prints the table, and writes two files to model_dir,
-each under a temporary name then renamed: eval_results.json (metrics, checkpoint, step, image count,
-time breakdown) and detections.json (the COCO results).
+each atomically (`mrcnn_tf2.files`): eval_results.json (metrics, checkpoint, step, image count, time
+breakdown) and detections.json (the COCO results).
 
-Training evaluates its live model with the same `run_evaluation` through `TrainingEvaluator`; `main.py
-infer` and `main.py export` restore their weights with `load_model`.
+Training evaluates its live model with the same `run_evaluation` through `TrainingEvaluator`. The model is
+restored and run by `mrcnn_tf2.runtime.predictor`, as `main.py infer` and `main.py export` do.
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
 import warnings
-import weakref
-from typing import Optional
 
-import tensorflow as tf
-
+from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
-from mrcnn_tf2.model.factory import build_model
-from mrcnn_tf2.ops.fused import mask_encoder_for
-from mrcnn_tf2.runtime.precision import set_precision
+from mrcnn_tf2.model.factory import choose_ops
+from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function
 
-# Exit status of a run that cannot start: no checkpoint, no annotation file, no validation image.
-EXIT_BAD_INPUT = 2
 RESULTS_FILE = "eval_results.json"
 DETECTIONS_FILE = "detections.json"
 # The COCO statistic of each AP that training reports and can stop at: box AP and mask AP.
 AP_KEYS = {"bbox": coco_metrics.metric_key("bbox", "AP"), "mask": coco_metrics.metric_key("segm", "AP")}
-
-# One traced predict function per model, so that repeated evaluations during training trace once.
-_PREDICT_FUNCTIONS = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -49,41 +39,13 @@ class Evaluation:
     time_s: dict  # seconds spent: input (reading batches), model, pasting (masks + RLE), cocoeval
 
 
-def predict_function(model, eagerly=False):
-    """`model.predict_step` as a tf.function (the eager method itself when `eagerly`), cached per model.
-
-    The returned callable maps a batch dict (images [B, H, W, 3] float32, image_info [B, 5] float32,
-    source_ids [B] int64) to the predict_step outputs (see MaskRCNN).
-    """
-    if eagerly:
-        return model.predict_step
-    function = _PREDICT_FUNCTIONS.get(model)
-    if function is None:
-        # A weak reference: the cache must not keep a discarded model (and its graph) alive.
-        model_ref = weakref.ref(model)
-        function = tf.function(lambda batch: model_ref().predict_step(batch))
-        _PREDICT_FUNCTIONS[model] = function
-    return function
-
-
-def pad_batch(batch, batch_size):
-    """Pads a partial last batch to `batch_size` by repeating its first image: one trace, static shapes.
-
-    `batch` is a dict of tensors with the batch first ([b, ...], b <= batch_size); returns [batch_size, ...].
-    """
-    count = int(batch["images"].shape[0])
-    if count == batch_size:
-        return batch
-    return {key: tf.concat([value, tf.repeat(value[:1], batch_size - count, axis=0)], axis=0)
-            for key, value in batch.items()}
-
-
-def run_evaluation(model, config, max_images=None, coco_gt=None):
+def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None):
     """Predicts over the validation images and scores the detections with COCOeval.
 
     Args:
       model: a built MaskRCNN with the weights to evaluate.
       config: the run's Config (data.validation pattern, eval.eval_batch_size, eval.eval_file, model...).
+      encode_masks: the COCO RLE mask encoder the factory chose (`OpChoice.mask_encoder`).
       max_images: evaluate at most this many images (in file order); None: eval.eval_samples, and all
         images when that is None too.
       coco_gt: the ground truth as a pycocotools COCO object; None loads eval.eval_file.
@@ -106,7 +68,6 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
     batch_size = config.eval.eval_batch_size
     dataset = InputPipeline(config, training=False).dataset(config.data.resolved_validation_pattern(), batch_size)
     predict = predict_function(model, config.runtime.eagerly)
-    encode_masks = mask_encoder_for(config.runtime.custom_ops)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
     results, image_ids, dropped = [], [], 0
     batches = iter(dataset)
@@ -119,8 +80,7 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
         if max_images is not None:
             count = min(count, max_images - len(image_ids))
         toc = time.perf_counter()
-        outputs = predict(pad_batch(batch, batch_size))
-        outputs = {key: value.numpy()[:count] for key, value in outputs.items()}  # waits for the device
+        outputs = predict_batch(predict, batch, batch_size, count)
         time_s["input"] += toc - tic
         time_s["model"] += time.perf_counter() - toc
         tic = time.perf_counter()
@@ -141,18 +101,6 @@ def run_evaluation(model, config, max_images=None, coco_gt=None):
             from None
     time_s["cocoeval"] = time.perf_counter() - tic
     return Evaluation(metrics, results, len(image_ids), time_s)
-
-
-def write_json_atomically(path, value):
-    """Writes `value` as JSON to `path` via a temporary file in the same directory, then renames it."""
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            json.dump(value, f)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 def targets_reached(metrics, min_bbox_map, min_mask_map):
@@ -181,6 +129,8 @@ class TrainingEvaluator:
 
     def __init__(self, config, steps_per_epoch):
         self.config = config
+        # The live model was built with the same choice (factory.build_model asks choose_ops too).
+        self.encode_masks = choose_ops(config).mask_encoder
         every = config.eval.resolved_eval_every_epochs()
         self.interval = None if every is None else every * steps_per_epoch
         self.steps_per_epoch = steps_per_epoch
@@ -200,7 +150,7 @@ class TrainingEvaluator:
         """Evaluates `model` when `due`, logs the result; returns True when training should stop."""
         if not self.due(step, last_step):
             return False
-        evaluation = run_evaluation(model, self.config, coco_gt=self.coco_gt)
+        evaluation = run_evaluation(model, self.config, self.encode_masks, coco_gt=self.coco_gt)
         metrics, seconds = evaluation.metrics, sum(evaluation.time_s.values())
         aps = {name: metrics[key] for name, key in AP_KEYS.items() if key in metrics}
         epoch = (step - 1) // self.steps_per_epoch + 1
@@ -217,62 +167,9 @@ class TrainingEvaluator:
         return True
 
 
-@dataclasses.dataclass
-class LoadedModel:
-    """A model restored for evaluation, inference or export."""
-
-    model: object  # the built MaskRCNN
-    checkpoint: Optional[str]  # the checkpoint read; None: freshly initialised weights
-    step: int  # the training step of the checkpoint (0 without one)
-    policy: str  # the Keras precision policy it was built under
-
-
-def load_model(config, require_checkpoint=True):
-    """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
-
-    Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
-    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
-
-    Args:
-      config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
-      require_checkpoint: without a checkpoint, raise (True) or keep the initial weights (False: benchmarks).
-
-    Returns:
-      a `LoadedModel`.
-
-    Raises:
-      ValueError naming model_dir or the checkpoint: no checkpoint, or one that does not fit the model.
-    """
-    model_dir = config.runtime.model_dir
-    checkpoint = tf.train.latest_checkpoint(model_dir)
-    if checkpoint is None and require_checkpoint:
-        raise ValueError(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
-    policy = set_precision(config.runtime.amp)
-    model = build_model(config)
-    height, width = config.data.image_size
-    batch_size = config.eval.eval_batch_size
-    # A blank batch shaped like the evaluation batches builds the variables through the same trace that
-    # evaluation then reuses (an eager build would cost as much as that trace again).
-    predict_function(model, config.runtime.eagerly)({
-        "images": tf.zeros([batch_size, height, width, 3]),
-        "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
-        "source_ids": tf.zeros([batch_size], tf.int64),
-    })
-    if checkpoint is None:
-        return LoadedModel(model, None, 0, policy)
-    step = tf.Variable(0, dtype=tf.int64, trainable=False)
-    # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
-    try:
-        tf.train.Checkpoint(model=model, step=step).read(checkpoint).expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
-    return LoadedModel(model, checkpoint, int(step.numpy()), policy)
-
-
 def _fail(message):
     print(f"[eval] error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    return status.BAD_INPUT
 
 
 def run(config):
@@ -292,7 +189,7 @@ def run(config):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a dropped-detections warning must show on every run
-            evaluation = run_evaluation(loaded.model, config, coco_gt=coco_gt)
+            evaluation = run_evaluation(loaded.model, config, loaded.ops.mask_encoder, coco_gt=coco_gt)
     except ValueError as err:
         return _fail(str(err))
     time_s = {**evaluation.time_s, "total": time.perf_counter() - total}
@@ -313,6 +210,6 @@ def run(config):
         "model_images_per_s": evaluation.num_images / model_s if model_s > 0 else None,
     }
     os.makedirs(model_dir, exist_ok=True)
-    write_json_atomically(os.path.join(model_dir, DETECTIONS_FILE), evaluation.results)
-    write_json_atomically(os.path.join(model_dir, RESULTS_FILE), record)
-    return 0
+    files.write_json(os.path.join(model_dir, DETECTIONS_FILE), evaluation.results)
+    files.write_json(os.path.join(model_dir, RESULTS_FILE), record)
+    return status.OK

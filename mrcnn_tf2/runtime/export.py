@@ -4,8 +4,8 @@ Signatures (a batch of B images per call, any B >= 1):
   serving_default(images: uint8 [B, H, W, 3])   RGB images of any one size H x W per call
   serving_bytes(image_bytes: string [B])        encoded JPEG / PNG / BMP / GIF (first frame), any sizes;
                                                 grayscale becomes RGB, alpha is dropped, EXIF is ignored
-Each image is resized and padded to data.image_size as the evaluation pipeline does (`resize_and_pad`),
-so the outputs equal `main.py infer`'s on the same pixels:
+Each image is resized, normalised and padded to data.image_size by `mrcnn_tf2.data.preprocess`, as the
+input pipeline and `main.py infer` do, so the outputs equal `main.py infer`'s on the same pixels:
   detection_boxes   [B, D, 4] float32 [ymin, xmin, ymax, xmax] in pixels of the original image
   detection_scores  [B, D] float32, detection_classes [B, D] int32 (category ids, 0 in empty slots)
   detection_masks   [B, D, R, R] float32 mask probabilities inside each box (paste them at 0.5 for
@@ -14,22 +14,20 @@ so the outputs equal `main.py infer`'s on the same pixels:
   image_info        [B, 5] float32 [scaled_h, scaled_w, 1 / scale, original_h, original_w]
 D = model.test.test_detections_per_image, R = model.mrcnn_resolution.
 
-The model is built with runtime.custom_ops = 'off' (the pure-TF ops): the SavedModel loads in any
-TensorFlow process, without this package or its custom-op library. It is written to a temporary
-directory next to export_dir, then renamed: an export_dir that exists is complete.
+The model is built for export (`factory.choose_ops(config, export=True)`: the pure-TF ops, whatever
+--custom_ops says): the SavedModel loads in any TensorFlow process, without this package or its custom-op
+library. It is written atomically (`mrcnn_tf2.files.atomic_path`): an export_dir that exists is complete.
 """
 
-import copy
 import os
-import shutil
 import sys
 
 import tensorflow as tf
 
-from mrcnn_tf2.data.pipeline import resize_and_pad
-from mrcnn_tf2.runtime.evaluate import load_model
+from mrcnn_tf2 import files, status
+from mrcnn_tf2.data import preprocess
+from mrcnn_tf2.runtime.predictor import load_model
 
-EXIT_BAD_INPUT = 2
 SIGNATURES = ("serving_default", "serving_bytes")
 
 
@@ -47,7 +45,7 @@ class ServingModule(tf.Module):
 
     def _preprocess(self, image):
         """[h, w, 3] uint8 -> ([H, W, 3] float32 normalised and padded, [5] float32 image_info)."""
-        padded, image_info, _ = resize_and_pad(image, self.image_size)
+        padded, image_info, _ = preprocess.resize_normalize_pad(image, self.image_size)
         return padded, image_info
 
     def _detect(self, images, image_info):
@@ -70,7 +68,7 @@ class ServingModule(tf.Module):
         """string [B] encoded images -> the detection dict (module docstring)."""
 
         def decode_and_preprocess(encoded):
-            return self._preprocess(tf.io.decode_image(encoded, channels=3, dtype=tf.uint8, expand_animations=False))
+            return self._preprocess(preprocess.decode_image(encoded))
 
         return self._detect(*self._preprocess_each(decode_and_preprocess, image_bytes))
 
@@ -79,37 +77,26 @@ def export_saved_model(model, image_size, export_dir):
     """Saves `model` with both serving signatures to `export_dir` (replaced when it exists), atomically.
 
     Args:
-      model: a built MaskRCNN made with runtime.custom_ops = 'off'.
+      model: a built MaskRCNN made for export (`build_model(config, export=True)`: pure-TF ops).
       image_size: (H, W) of the model's input.
       export_dir: the SavedModel directory.
     """
     module = ServingModule(model, image_size)
-    export_dir = os.path.abspath(export_dir)
-    temporary, previous = f"{export_dir}.tmp-{os.getpid()}", f"{export_dir}.old-{os.getpid()}"
-    try:
+    with files.atomic_path(os.path.abspath(export_dir)) as temporary:
         tf.saved_model.save(module, temporary, signatures={"serving_default": module.serve_images,
                                                            "serving_bytes": module.serve_bytes})
-        if os.path.exists(export_dir):
-            os.replace(export_dir, previous)
-        os.replace(temporary, export_dir)
-    finally:
-        for leftover in (temporary, previous):
-            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def run(config):
     """Entry point of `main.py export`; returns the exit status."""
-    config = copy.deepcopy(config)
-    # A SavedModel must load without the custom-op library: build the model from the pure-TF ops.
-    config.runtime.custom_ops = "off"
     try:
-        loaded = load_model(config)
+        loaded = load_model(config, export=True)
     except ValueError as err:
         print(f"[export] error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return status.BAD_INPUT
     export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
     os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
     export_saved_model(loaded.model, config.data.image_size, export_dir)
     print(f"[export] checkpoint {loaded.checkpoint} (step {loaded.step}) -> {export_dir} "
           f"(signatures {', '.join(SIGNATURES)})", flush=True)
-    return 0
+    return status.OK

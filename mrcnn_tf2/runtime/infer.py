@@ -6,24 +6,25 @@ or, with --input, from an image file, a folder (its JPEG/PNG files, not recursiv
 matches), in sorted order with ids 1, 2, ... (an unreadable file's id stays unused). Photos are decoded
 with PIL, turned upright by their EXIF orientation, grayscale made RGB, and transparency composited over
 the ImageNet mean colour (which the normalisation maps to 0, like the padding); then every image is
-resized and padded by the evaluation pipeline's own `resize_and_pad`. A file that cannot be read is
-reported on stderr by name and skipped.
+resized, normalised and padded by `mrcnn_tf2.data.preprocess`, as the input pipeline does. A file that
+cannot be read is reported on stderr by name and skipped.
 
-Outputs in infer.output_dir (default <model_dir>/inference), each written under a temporary name then
-renamed; predictions.json is written last, so that its presence means a complete run:
+Outputs in infer.output_dir (default <model_dir>/inference), each written atomically (`mrcnn_tf2.files`);
+predictions.json is written last, so that its presence means a complete run:
   images.json        [{id, file_name, height, width}] of the images read (file_name: the --input path,
                      or the record's image id for TFRecords)
   predictions.json   COCO results [{image_id, category_id, bbox [x, y, w, h], score, segmentation (RLE)}]
                      in original-image pixels, masks pasted at 0.5, as `main.py eval` writes them
-  <name>.png         with --visualize: the image with its masks, boxes, class names and scores (detections
-                     scoring >= infer.visualize_score_threshold); <name> is the file's stem (the image id
-                     for TFRecords), with _<id> appended where two images would share a name
+  <name>.png         with --visualize: the image at its original size, scaled up when small, with its masks,
+                     boxes, class names and scores (detections scoring >= infer.visualize_score_threshold;
+                     `mrcnn_tf2.evaluation.visualize`); <name> is the file's stem (the image id for
+                     TFRecords), with _<id> appended where two images would share a name
 Class ids are the category ids (see `coco_metrics`): with --eval_file only its categories are kept.
 Names in the pictures come from --label_map (a JSON object {"category id": "name"}), else from
 --eval_file's categories, else are the ids.
 
-Exit status: 0 when at least one image was processed (failures are on stderr), 2 when none could be, or
-when the checkpoint, --input or --label_map is unusable.
+Exit status (`mrcnn_tf2.status`): OK when at least one image was processed (failures are on stderr),
+BAD_INPUT when none could be, or when the checkpoint, --input or --label_map is unusable.
 """
 
 import dataclasses
@@ -35,30 +36,24 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from PIL import Image, ImageDraw, ImageFont, ImageOps
+from PIL import Image, ImageOps
 
+from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.pipeline import IMAGENET_MEAN, InputPipeline, resize_and_pad
+from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.data.preprocess import resize_normalize_pad
 from mrcnn_tf2.evaluation import coco_metrics
-from mrcnn_tf2.ops.fused import mask_encoder_for
-from mrcnn_tf2.ops.masks import paste_masks
+from mrcnn_tf2.evaluation.visualize import draw_detections
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime.benchmark import report_benchmark
-from mrcnn_tf2.runtime.evaluate import load_model, pad_batch, predict_function, write_json_atomically
+from mrcnn_tf2.runtime.predictor import load_model, pad_batch, predict_batch, predict_function
 
-EXIT_BAD_INPUT = 2
 PREDICTIONS_FILE = "predictions.json"
 IMAGES_FILE = "images.json"
 # Extensions of the files a folder or glob --input picks up (a file named directly is read whatever its name).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 # What transparent pixels become: the ImageNet mean normalises to 0, as the padding does.
 TRANSPARENT_FILL = tuple(int(round(v)) for v in IMAGENET_MEAN)
-# Drawing: mask overlay opacity, box outline width in pixels, label text size.
-MASK_OPACITY = 0.45
-BOX_WIDTH = 2
-FONT_SIZE = 12
-# Distinct colours, one per class id (cycled).
-PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
-           (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40))
 
 
 @dataclasses.dataclass
@@ -123,12 +118,12 @@ def photos_from_records(file_pattern, max_images=None):
 
 
 def preprocess(photos, image_size):
-    """A model input batch of `photos`, resized and padded as the evaluation pipeline does.
+    """A model input batch of `photos`, resized, normalised and padded as the input pipeline does.
 
     Returns:
       dict with images [b, H, W, 3] float32, image_info [b, 5] float32, source_ids [b] int64.
     """
-    images, infos = zip(*(resize_and_pad(tf.constant(photo.image), image_size)[:2] for photo in photos))
+    images, infos = zip(*(resize_normalize_pad(tf.constant(photo.image), image_size)[:2] for photo in photos))
     return {"images": tf.stack(images), "image_info": tf.stack(infos),
             "source_ids": tf.constant([photo.image_id for photo in photos], tf.int64)}
 
@@ -137,7 +132,7 @@ def detect(predict, photos, image_size, batch_size):
     """Detections of up to `batch_size` photos, as NumPy arrays (the predict_step outputs of MaskRCNN).
 
     Args:
-      predict: `evaluate.predict_function` of the model.
+      predict: `predictor.predict_function` of the model.
       photos: list of b <= batch_size Photos (padded to batch_size for the model: one trace).
       image_size: (H, W) of the model input.
 
@@ -145,8 +140,7 @@ def detect(predict, photos, image_size, batch_size):
       dict of [b, ...] arrays: detection_boxes [b, D, 4] in original-image pixels, detection_scores,
       detection_classes, detection_masks [b, D, R, R], num_detections, image_info, source_ids.
     """
-    outputs = predict(pad_batch(preprocess(photos, image_size), batch_size))
-    return {key: value.numpy()[:len(photos)] for key, value in outputs.items()}
+    return predict_batch(predict, preprocess(photos, image_size), batch_size)
 
 
 def batched(items, batch_size):
@@ -198,59 +192,13 @@ def category_names(config):
     return names
 
 
-# -- drawing ------------------------------------------------------------------------------------------------
+# -- pictures -----------------------------------------------------------------------------------------------
 
 
-def draw_detections(image, boxes, classes, scores, masks, names, score_threshold):
-    """The image with each detection scoring >= score_threshold drawn: mask overlay, box, 'name score'.
-
-    Args:
-      image: [h, w, 3] uint8 RGB.
-      boxes: [D, 4] float [ymin, xmin, ymax, xmax] in pixels of `image`.
-      classes: [D] int class ids; scores: [D] float in [0, 1].
-      masks: [D, R, R] float mask probabilities inside each box (pasted at coco_metrics.MASK_THRESHOLD),
-        or None to draw boxes only.
-      names: {class id: name}; ids it lacks are drawn as the id.
-      score_threshold: detections below it are left out.
-
-    Returns:
-      [h, w, 3] uint8 RGB, a new array.
-    """
-    image = np.asarray(image, np.uint8)
-    keep = np.asarray(scores) >= score_threshold
-    boxes = np.asarray(boxes, np.float32)[keep]
-    classes, scores = np.asarray(classes)[keep], np.asarray(scores)[keep]
-    colours = np.array([PALETTE[int(c) % len(PALETTE)] for c in classes], np.float32).reshape(-1, 3)
-    canvas = image.astype(np.float32)
-    if masks is not None and len(boxes):
-        pasted = paste_masks(np.asarray(masks, np.float32)[keep], boxes, image.shape[:2],
-                             threshold=coco_metrics.MASK_THRESHOLD)
-        for mask, colour in zip(pasted.astype(bool), colours):
-            canvas[mask] = (1.0 - MASK_OPACITY) * canvas[mask] + MASK_OPACITY * colour
-    picture = Image.fromarray(np.clip(np.round(canvas), 0, 255).astype(np.uint8))
-    draw = ImageDraw.Draw(picture)
-    font = ImageFont.load_default(FONT_SIZE)
-    for (ymin, xmin, ymax, xmax), class_id, score, colour in zip(boxes.tolist(), classes, scores, colours):
-        colour = tuple(int(v) for v in colour)
-        draw.rectangle([xmin, ymin, xmax, ymax], outline=colour, width=BOX_WIDTH)
-        label = f"{names.get(int(class_id), str(int(class_id)))} {float(score):.2f}"
-        left, top, right, bottom = draw.textbbox((xmin, ymin), label, font=font)
-        # The label sits above the box, or inside it at the top when the box touches the image top.
-        shift = bottom - top + 2 if ymin >= bottom - top + 2 else 0
-        draw.rectangle([left, top - shift, right + 2, bottom - shift], fill=colour)
-        draw.text((xmin + 1, ymin - shift), label, fill=(0, 0, 0), font=font)
-    return np.asarray(picture)
-
-
-def save_png_atomically(path, image):
-    """Writes the [h, w, 3] uint8 `image` as PNG to `path` via a temporary file, then renames it."""
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        Image.fromarray(image).save(temporary, format="PNG")
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+def save_picture(path, picture):
+    """Writes the [H', W', 3] uint8 `picture` (`visualize.draw_detections`) as PNG to `path`, atomically."""
+    with files.atomic_path(path) as temporary:
+        Image.fromarray(picture).save(temporary, format="PNG")
 
 
 def _picture_name(photo, taken):
@@ -268,7 +216,7 @@ def _picture_name(photo, taken):
 
 def _fail(message):
     print(f"[infer] error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    return status.BAD_INPUT
 
 
 def run(config):
@@ -296,14 +244,13 @@ def run(config):
     os.makedirs(output_dir, exist_ok=True)
     # A previous run's results must not pass for this run's until this run has completed.
     for stale in (PREDICTIONS_FILE, IMAGES_FILE):
-        if os.path.exists(os.path.join(output_dir, stale)):
-            os.remove(os.path.join(output_dir, stale))
+        files.remove(os.path.join(output_dir, stale))
     # A picture must not overwrite an input file that lives in output_dir.
     real_output_dir = os.path.realpath(output_dir)
     taken = {os.path.basename(p) for p in paths if os.path.dirname(os.path.realpath(p)) == real_output_dir}
     predict = predict_function(loaded.model, config.runtime.eagerly)
     batch_size = config.eval.eval_batch_size
-    encode_masks = mask_encoder_for(config.runtime.custom_ops)
+    encode_masks = loaded.ops.mask_encoder
     results, images, dropped = [], [], 0
     started = time.perf_counter()
     for chunk in batched(photos, batch_size):
@@ -321,17 +268,17 @@ def run(config):
                     photo.image, outputs["detection_boxes"][b, :count], outputs["detection_classes"][b, :count],
                     outputs["detection_scores"][b, :count], None if masks is None else masks[b, :count], names,
                     infer.visualize_score_threshold)
-                save_png_atomically(os.path.join(output_dir, _picture_name(photo, taken)), picture)
+                save_picture(os.path.join(output_dir, _picture_name(photo, taken)), picture)
     coco_metrics.warn_dropped(dropped, names)
     if not images:
         return _fail("no image could be read: nothing was written")
-    write_json_atomically(os.path.join(output_dir, IMAGES_FILE), images)
-    write_json_atomically(os.path.join(output_dir, PREDICTIONS_FILE), results)
+    files.write_json(os.path.join(output_dir, IMAGES_FILE), images)
+    files.write_json(os.path.join(output_dir, PREDICTIONS_FILE), results)
     failed = len(paths) - len(images) if paths else 0
     print(f"[infer] {len(images)} images, {len(results)} detections in {time.perf_counter() - started:.1f} s "
           f"(checkpoint {loaded.checkpoint}, step {loaded.step}): {os.path.join(output_dir, PREDICTIONS_FILE)}"
           + (f"; {failed} unreadable files skipped (see above)" if failed else ""), flush=True)
-    return 0
+    return status.OK
 
 
 def benchmark(config):
@@ -360,4 +307,4 @@ def benchmark(config):
         if step >= runtime.log_warmup_steps:
             step_times.append(time.perf_counter() - tic)
     report_benchmark("inference", step_times, batch_size, loaded.policy)
-    return 0
+    return status.OK

@@ -21,8 +21,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from mrcnn_tf2 import status
 from mrcnn_tf2.data.pipeline import InputPipeline
-from mrcnn_tf2.model.factory import build_model
+from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
@@ -31,9 +32,6 @@ from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
-
-# Exit status of a run stopped by a non-finite loss.
-EXIT_NON_FINITE = 4
 
 
 class NonFiniteLossError(RuntimeError):
@@ -84,6 +82,8 @@ class Trainer:
         if self.policy == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         self.model = build_model(config)
+        # The input pipeline labels the model's anchors with the RPN-target op the factory chose for the model.
+        self.rpn_targets = choose_ops(config).rpn_targets
         self.model.compile(optimizer=optimizer)
         self.optimizer = optimizer
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -129,8 +129,8 @@ class Trainer:
         if config.train.seed is not None:
             # A resumed run reads a new order, still fixed by --seed (see the module docstring).
             config.train.seed += start_step
-        return InputPipeline(config, training=True).dataset(
-            self.pattern, config.train.train_batch_size, self.worker_index, self.num_workers)
+        pipeline = InputPipeline(config, training=True, anchors=self.model.anchors, rpn_targets=self.rpn_targets)
+        return pipeline.dataset(self.pattern, config.train.train_batch_size, self.worker_index, self.num_workers)
 
     def _restore_or_initialise(self, batch, logger):
         """Builds the variables, then rank 0 restores or initialises them and every rank takes rank 0's
@@ -170,7 +170,7 @@ class Trainer:
         except NonFiniteLossError as err:
             print(f"[train] error: {err}", file=sys.stderr)
             logger.event("stopped", reason=str(err))
-            return EXIT_NON_FINITE
+            return status.FAILURE  # the message names the cause
         finally:
             logger.close()
 
@@ -188,9 +188,11 @@ class Trainer:
         logger.event("start", echo=False, config=config.to_dict(), policy=self.policy,
                      steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, start_step=start,
                      global_batch_size=self.global_batch_size)
+        if self.world.is_chief:
+            config.save(runtime.model_dir)  # what eval, infer, export and a resumed run start from
         if not runtime.benchmark and start >= self.total_steps:
             logger.event("done", step=start, message="already trained to the last step")
-            return 0
+            return status.OK
         last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
                 else self.total_steps)
         update = self.update_function()
@@ -236,7 +238,7 @@ class Trainer:
         if runtime.benchmark:
             self._report_benchmark(logger, step_times)
         logger.event("done", step=step)
-        return 0
+        return status.OK
 
     def _report_benchmark(self, logger, step_times):
         """Rank 0 prints the job's img/s and, under Horovod, each worker's (their mean over the single-

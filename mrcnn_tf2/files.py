@@ -1,0 +1,69 @@
+"""Atomic file output, the one way the package and its scripts write a file or directory that others read.
+
+A result appears under its final name only once it is complete: it is written to `temporary_path(path)`
+beside the destination, then renamed over it (a rename within one directory is atomic), so an
+interrupted run never leaves a file that looks finished, and a failed run leaves the previous one intact.
+The temporary name ends in `.tmp-<pid>`, which no reader's `*.tfrecord` / `*.json` pattern matches.
+
+This module imports neither TensorFlow nor the rest of the package.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+
+
+def temporary_path(path: str) -> str:
+    """The name `path` is written under until it is complete (unique to this process)."""
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def remove(path: str) -> None:
+    """Removes the file or directory `path`, if it exists."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def commit(temporary: str, path: str) -> None:
+    """Renames the finished `temporary` (a file or a directory) to `path`, replacing what is there."""
+    if os.path.isdir(temporary) and os.path.isdir(path):
+        # A directory cannot be renamed over a non-empty one: move the old one aside first.
+        previous = f"{path}.old-{os.getpid()}"
+        os.replace(path, previous)
+        try:
+            os.replace(temporary, path)
+        except BaseException:
+            os.replace(previous, path)  # a failed commit leaves the old result, as promised
+            raise
+        remove(previous)
+    else:
+        os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yields the temporary name to write `path` under; commits it when the block succeeds, removes it
+    whatever happens (so an exception leaves `path` as it was)."""
+    temporary = temporary_path(path)
+    remove(temporary)
+    try:
+        yield temporary
+        commit(temporary, path)
+    finally:
+        remove(temporary)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes `data` to `path` atomically."""
+    with atomic_path(path) as temporary, open(temporary, "wb") as f:
+        f.write(data)
+
+
+def write_json(path: str, obj, indent=None) -> None:
+    """Writes `obj` as UTF-8 JSON to `path` atomically. indent=None writes compact JSON (annotation files
+    with polygons grow several-fold when indented)."""
+    separators = (",", ":") if indent is None else (",", ": ")
+    write_bytes(path, json.dumps(obj, indent=indent, separators=separators).encode("utf-8"))

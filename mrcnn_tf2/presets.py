@@ -1,0 +1,65 @@
+"""Named presets: sets of config values that `--preset NAME` applies on every `main.py` command.
+
+A preset is applied over the defaults and a saved run's config (<model_dir>/config.json), and under
+`--config_override` and the explicit flags, which win. `--print_config` names the preset as the source of
+each value it set. Keys are dotted config paths (mrcnn_tf2.config); values are Python values of the
+field's type.
+
+This module must not import TensorFlow.
+"""
+
+PRESETS = {
+    "demo": dict(
+        description="the README's demo: ResNet-18 from scratch on the generated 128x128 shapes (5 classes), "
+                    "sized for a 2-core CPU",
+        values={
+            # 128x128 scenes with objects of 8 to 64 px, trained at that size, 5 shape classes + background.
+            "data.image_size": (128, 128),
+            "model.num_classes": 6,
+            "data.max_num_instances": 32,
+            # ResNet-18 from scratch (batch norm trains, nothing frozen: the default without pretrained
+            # weights); FPN and the box head narrowed, the mask head most (it costs most of a step at 128).
+            "model.backbone": "resnet18",
+            "model.fpn_num_filters": 128,
+            "model.fast_rcnn_mlp_head_dim": 512,
+            "model.mrcnn_head_num_filters": 64,
+            # Anchors of 16 px on P2 for the small objects.
+            "model.anchors.anchor_scale": 4.0,
+            # Second-stage budgets sized to a few objects per image.
+            "model.roi.batch_size_per_im": 64,
+            "model.rpn.train_rpn_pre_nms_topn": 500,
+            "model.rpn.train_rpn_post_nms_topn": 200,
+            "model.rpn.test_rpn_pre_nms_topn": 500,
+            "model.rpn.test_rpn_post_nms_topn": 200,
+            # 850 steps of 8 images: 2 epochs of 3400 scenes; a 21-step warm-up (no floor in steps) from
+            # 8e-4 to 0.02, then 0.002 from epoch 1.4. Scenes cost about 6 ms each to generate and convert,
+            # so the demo sees each one twice rather than six times as many fewer ones (CHANGELOG.md).
+            "train.train_batch_size": 8,
+            "train.epochs": 2,
+            "train.init_learning_rate": 8e-4,
+            "train.learning_rate_values": (2e-2, 2e-3),
+            "train.learning_rate_boundaries": (0.05, 1.4),
+            "train.warmup_min_steps": 0,
+            "train.seed": 0,
+            "eval.eval_batch_size": 8,
+            "runtime.log_every": 25,
+            "runtime.log_warmup_steps": 5,
+            "runtime.checkpoint_every": 100,
+        },
+    ),
+}
+
+
+def names() -> tuple:
+    """The preset names, in the order `--help` lists them."""
+    return tuple(PRESETS)
+
+
+def describe() -> str:
+    """'NAME: description' of every preset, for `--help`."""
+    return "; ".join(f"{name}: {preset['description']}" for name, preset in PRESETS.items())
+
+
+def values(name: str) -> dict:
+    """{dotted config path: value} of the preset `name` (a KeyError names an unknown preset)."""
+    return dict(PRESETS[name]["values"])

@@ -1,0 +1,127 @@
+"""Prediction with a trained model, shared by `main.py eval`, `main.py infer` and `main.py export`.
+
+`load_model` builds the model the config describes (through the factory, which chooses its ops) and
+restores the newest checkpoint's weights; `predict_function` is its traced predict step, one per model;
+`pad_batch` and `predict_batch` run a batch of any size up to the batch size through that one trace.
+Training evaluates its live model with the same `predict_function`.
+
+This module reads no data and writes nothing: its callers bring the images and keep the detections.
+
+Glossary: B the batch size (eval.eval_batch_size), b <= B the images of one batch, H x W = data.image_size.
+"""
+
+import dataclasses
+import weakref
+from typing import Optional
+
+import tensorflow as tf
+
+from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
+from mrcnn_tf2.runtime.precision import set_precision
+
+# One traced predict function per model, so that repeated evaluations during training trace once.
+_PREDICT_FUNCTIONS = weakref.WeakKeyDictionary()
+
+
+def predict_function(model, eagerly=False):
+    """`model.predict_step` as a tf.function (the eager method itself when `eagerly`), cached per model.
+
+    The returned callable maps a batch dict (images [B, H, W, 3] float32, image_info [B, 5] float32,
+    source_ids [B] int64) to the predict_step outputs (see MaskRCNN).
+    """
+    if eagerly:
+        return model.predict_step
+    function = _PREDICT_FUNCTIONS.get(model)
+    if function is None:
+        # A weak reference: the cache must not keep a discarded model (and its graph) alive.
+        model_ref = weakref.ref(model)
+        function = tf.function(lambda batch: model_ref().predict_step(batch))
+        _PREDICT_FUNCTIONS[model] = function
+    return function
+
+
+def pad_batch(batch, batch_size):
+    """Pads a partial last batch to `batch_size` by repeating its first image: one trace, static shapes.
+
+    `batch` is a dict of tensors with the batch first ([b, ...], b <= batch_size); returns [batch_size, ...].
+    """
+    count = int(batch["images"].shape[0])
+    if count == batch_size:
+        return batch
+    return {key: tf.concat([value, tf.repeat(value[:1], batch_size - count, axis=0)], axis=0)
+            for key, value in batch.items()}
+
+
+def predict_batch(predict, batch, batch_size, count=None):
+    """The detections of a batch of b <= batch_size images, as NumPy arrays (waits for the device).
+
+    Args:
+      predict: `predict_function` of the model.
+      batch: dict with images [b, H, W, 3] float32, image_info [b, 5] float32, source_ids [b] int64.
+      batch_size: B, the size `predict` was traced for (the batch is padded to it).
+      count: keep the first `count` images' outputs; None: all b.
+
+    Returns:
+      dict of [count, ...] arrays: the predict_step outputs of MaskRCNN (detection_boxes [count, D, 4] in
+      original-image pixels, detection_scores, detection_classes, detection_masks [count, D, R, R],
+      num_detections, image_info, source_ids).
+    """
+    count = int(batch["images"].shape[0]) if count is None else count
+    outputs = predict(pad_batch(batch, batch_size))
+    return {key: value.numpy()[:count] for key, value in outputs.items()}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model restored for evaluation, inference or export."""
+
+    model: object  # the built MaskRCNN
+    checkpoint: Optional[str]  # the checkpoint read; None: freshly initialised weights
+    step: int  # the training step of the checkpoint (0 without one)
+    policy: str  # the Keras precision policy it was built under
+    ops: OpChoice  # the ops it was built with; `ops.mask_encoder` encodes its masks as COCO RLE
+
+
+def load_model(config, require_checkpoint=True, export=False):
+    """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
+
+    Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
+    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
+
+    Args:
+      config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
+      require_checkpoint: without a checkpoint, raise (True) or keep the initial weights (False: benchmarks).
+      export: build the model for a SavedModel (`factory.choose_ops`: the pure-TF ops, no XLA).
+
+    Returns:
+      a `LoadedModel`.
+
+    Raises:
+      ValueError naming model_dir or the checkpoint: no checkpoint, or one that does not fit the model.
+    """
+    model_dir = config.runtime.model_dir
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    if checkpoint is None and require_checkpoint:
+        raise ValueError(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
+    policy = set_precision(config.runtime.amp)
+    model = build_model(config, export=export)
+    ops = choose_ops(config, export=export)
+    height, width = config.data.image_size
+    batch_size = config.eval.eval_batch_size
+    # A blank batch shaped like the evaluation batches builds the variables through the same trace that
+    # evaluation then reuses (an eager build would cost as much as that trace again).
+    predict_function(model, config.runtime.eagerly)({
+        "images": tf.zeros([batch_size, height, width, 3]),
+        "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
+        "source_ids": tf.zeros([batch_size], tf.int64),
+    })
+    if checkpoint is None:
+        return LoadedModel(model, None, 0, policy, ops)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
+    try:
+        tf.train.Checkpoint(model=model, step=step).read(checkpoint).expect_partial().assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
+    return LoadedModel(model, checkpoint, int(step.numpy()), policy, ops)

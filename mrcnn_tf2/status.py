@@ -1,0 +1,8 @@
+"""Exit statuses of every command of the package (main.py's modes, weights/ and dataset/ scripts)."""
+
+# The run did what was asked.
+OK = 0
+# The run started and failed: a diverged loss, a file it could not complete.
+FAILURE = 1
+# Bad input or usage, found before any work was done: a flag, a missing or malformed file or record.
+BAD_INPUT = 2
