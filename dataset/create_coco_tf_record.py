@@ -78,6 +78,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from mrcnn_tf2 import files, status
+from mrcnn_tf2.cli import import_tensorflow
 from mrcnn_tf2.data.coco_io import encode_jpeg
 
 SHARD_NAME = "{tag}-{index:05d}-of-{count:05d}.tfrecord"
@@ -592,7 +593,7 @@ def convert_coco(
     summary = ConversionSummary(tag, shard_paths, os.path.join(output_dir, WARNINGS_NAME.format(tag=tag)))
     warnings = {}
 
-    import tensorflow as tf  # only here: worker processes import this module and never need TensorFlow
+    tf = import_tensorflow()  # only here: worker processes import this module and never need TensorFlow
 
     os.makedirs(output_dir, exist_ok=True)
     writers, finished = [], False
@@ -676,7 +677,6 @@ def main(argv=None):
     """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, or BAD_INPUT when the inputs cannot
     be converted."""
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter would bury the summary
     try:
         summary = convert_coco(
             args.image_dir,

@@ -80,6 +80,17 @@ def set_tensorflow_environment(onednn=None, environ=os.environ):
     return user_log_level
 
 
+def import_tensorflow(onednn=None):
+    """TensorFlow, as every command of the package starts it: environment set (set_tensorflow_environment),
+    imported and its devices initialised (CUDA's probing happens there) with the start-up noise held back
+    (quiet_tensorflow_start). Returns the `tensorflow` module."""
+    with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn)):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    return tf
+
+
 def main(argv=None) -> int:
     """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status)."""
     args, config, sources = parse(argv, with_sources=True)
@@ -91,12 +102,8 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"main.py: error: {err}", file=sys.stderr)
         return status.BAD_INPUT
-    user_log_level = set_tensorflow_environment(args.onednn)
-    with quiet_tensorflow_start(enabled=not user_log_level):
-        runner = importlib.import_module(RUNNERS[args.mode])
-        import tensorflow as tf
-
-        tf.config.list_physical_devices()  # initialises the devices: CUDA's probing happens here
+    import_tensorflow(args.onednn)
+    runner = importlib.import_module(RUNNERS[args.mode])
     from mrcnn_tf2.ops.fused import CustomOpsUnavailable
 
     try:

@@ -495,6 +495,10 @@ def test_start_up_is_quiet_unless_the_user_sets_tensorflows_log_level(tmp_path):
     quiet = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert quiet.returncode == 2 and len(quiet.stderr.strip().splitlines()) == 1, quiet.stderr
     assert "checkpoint" in quiet.stderr and str(tmp_path) in quiet.stderr
+    # The scripts that start TensorFlow start it the same way.
+    converter = subprocess.run([sys.executable, "weights/convert_keras_resnet.py", "--h5", str(tmp_path / "none.h5"),
+                                "--output", str(tmp_path / "w")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert converter.returncode == 2 and len(converter.stderr.strip().splitlines()) == 1, converter.stderr
     for onednn, banner in (("on", True), ("off", False)):
         loud = subprocess.run([*command, "--onednn", onednn], cwd=ROOT, env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"},
                               capture_output=True, text=True)

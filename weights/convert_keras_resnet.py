@@ -36,13 +36,15 @@ import os
 import sys
 
 import h5py
-import keras
 import numpy as np
-import tensorflow as tf
 
 from mrcnn_tf2 import files, status
-from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, backbone_metadata
+from mrcnn_tf2.cli import import_tensorflow
+
+tf = import_tensorflow()  # before keras and the model: TensorFlow's start-up as main.py has it
+import keras  # noqa: E402
+from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet  # noqa: E402
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, backbone_metadata  # noqa: E402
 
 KERAS_RESNETS = {50: keras.applications.ResNet50, 101: keras.applications.ResNet101}
 # keras.applications.imagenet_utils 'caffe' mode subtracts this mean from BGR pixels; listed here in RGB order.
