@@ -11,7 +11,6 @@ This module must not import TensorFlow: `--help` and `--print_config` stay fast.
 from __future__ import annotations
 
 import argparse
-import copy
 import glob
 import os
 
@@ -230,14 +229,11 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
         sources[key.strip()] = "--config_override"
     for path in MODEL_DEFINING_KEYS if saved else ():
         source = sources.get(path, "")
-        if path in saved and not source.startswith("saved config"):
-            saved_value = copy.deepcopy(_DEFAULTS)
-            saved_value.set(path, saved[path])
-            if config.get(path) != saved_value.get(path):
-                key = source.split(" ")[0]
-                raise ConfigError(key, f"{path} = {_show(config.get(path))} contradicts {_show(saved_value.get(path))} "
-                                       f"saved in {saved_file}, which the checkpoints there were trained with "
-                                       "(use another --model_dir for a different model)")
+        if path in saved and not source.startswith("saved config") and config.get(path) != saved[path]:
+            key = source.split(" ")[0]
+            raise ConfigError(key, f"{path} = {_show(config.get(path))} contradicts {_show(saved[path])} "
+                                   f"saved in {saved_file}, which the checkpoints there were trained with "
+                                   "(use another --model_dir for a different model)")
     resolved = config.resolved()
     for path in field_paths(resolved):
         if resolved.get(path) != config.get(path):

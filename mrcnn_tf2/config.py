@@ -510,7 +510,8 @@ def coerce_value(value, hint):
 
 
 def load_saved_config(model_dir: str) -> Optional[dict]:
-    """{dotted path: value} of the config saved in <model_dir>/config.json; None when there is none.
+    """{dotted path: value of the field's type} of the config saved in <model_dir>/config.json; None when
+    there is none.
 
     Raises ConfigError naming the file and the key when the file is not a config this package wrote.
     """
@@ -542,7 +543,7 @@ def load_saved_config(model_dir: str) -> Optional[dict]:
             probe.set(key, value)
         except ValueError as err:
             raise ConfigError("--model_dir", f"{path}: {key}: {err}") from None
-    return values
+    return {key: probe.get(key) for key in values}
 
 
 def _split_list(text: str) -> list:
