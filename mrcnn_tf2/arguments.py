@@ -32,6 +32,13 @@ _FLAGS = {
         "train.backbone_checkpoint",
         dict(help="pretrained backbone checkpoint made by weights/ (None: train from scratch)"),
     ),
+    "init_checkpoint": (
+        "train.init_checkpoint",
+        dict(help="start a new run from the model weights of a training checkpoint: a model_dir (its newest "
+                  "checkpoint) or a checkpoint prefix; optimizer, step and schedule start fresh, the class "
+                  "layers are reinitialised if --num_classes differs (ignored when --model_dir holds a "
+                  "checkpoint: the run resumes from it)"),
+    ),
     "eval_file": ("eval.eval_file", dict(help="COCO annotation JSON of the validation images")),
     "epochs": ("train.epochs", dict(type=int, help="training epochs")),
     "steps_per_epoch": (
@@ -195,8 +202,10 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
 
     Layers, later ones winning: the defaults; the config saved in <model_dir>/config.json by training,
     without its per-command settings (config.PER_COMMAND_KEYS); --preset; the flags; --config_override;
-    then the rules of the settings left to None (Config.resolved). A preset, override or flag that changes
-    one of config.MODEL_DEFINING_KEYS of a saved config is an error naming both values. Raises ConfigError.
+    then the rules of the settings left to None (Config.resolved). A preset leaves the values of
+    config.MODEL_DEFINING_KEYS that a saved config holds as saved (a fine-tuned model keeps its classes and
+    input size under the preset it was trained with); an override or flag that changes one is an error
+    naming both values. Raises ConfigError.
     """
     config, sources = Config(), {}
 
@@ -215,7 +224,8 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
             apply(path, value, f"saved config {saved_file}", "--model_dir")
     if args.preset:
         for path, value in presets.values(args.preset).items():
-            apply(path, value, f"--preset {args.preset}", "--preset")
+            if not (saved and path in saved and path in MODEL_DEFINING_KEYS):
+                apply(path, value, f"--preset {args.preset}", "--preset")
     for flag, (path, _) in _FLAGS.items():
         if hasattr(args, flag):
             apply(path, getattr(args, flag), f"--{flag}", f"--{flag}")

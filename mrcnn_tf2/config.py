@@ -59,6 +59,17 @@ class DataConfig:
     use_category: bool = True
     # Repeat one real batch forever: measures the model without the input pipeline.
     use_synthetic_data: bool = False
+    # Resize rule. None: the largest aspect-preserving size that fits image_size. An int: torchvision's rule,
+    # shorter side to this, unless the longer side would exceed resize_max_size (then that binds).
+    resize_min_size: Optional[int] = None
+    resize_max_size: int = 1333
+    # Padding of evaluation and inference batches. None: to image_size. An int: each batch to its largest
+    # image, rounded up to a multiple of this (torchvision's size_divisible); the anchors then follow the
+    # actual feature shapes. Training always pads to image_size (the input pipeline labels the anchors).
+    pad_to_multiple: Optional[int] = None
+    # JPEG decoding (tf.io.decode_jpeg's dct_method): "" TensorFlow's default, "INTEGER_ACCURATE" the
+    # libjpeg-turbo ISLOW path that PIL (and so torchvision's data loading) decodes with.
+    jpeg_dct_method: str = ""
 
     def resolved_training_pattern(self) -> str:
         return self.training_file_pattern or f"{self.data_dir.rstrip('/')}/train*.tfrecord"
@@ -80,6 +91,10 @@ class AnchorConfig:
     aspect_ratios: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4))
     # Base anchor side in units of the level's stride: 32 px on P2 up to 512 px on P6.
     anchor_scale: float = 8.0
+    # Anchor centres at (i + anchor_offset) * stride; torchvision's are at i * stride (offset 0).
+    anchor_offset: float = 0.5
+    # Round the base anchors' corners to whole pixels, as torchvision's AnchorGenerator does.
+    round_base_anchors: bool = False
 
 
 @dataclass
@@ -133,6 +148,13 @@ class TestConfig:
     # Detections kept per image after per-class NMS at test_nms IoU.
     test_detections_per_image: int = 100
     test_nms: float = 0.5
+    # Candidates scoring <= this are dropped before NMS.
+    test_score_threshold: float = 0.05
+    # Detections (in input pixels) narrower or lower than this are dropped before NMS; 0 drops empty ones.
+    test_min_box_size: float = 0.0
+    # How a 28x28 mask becomes an image mask: "exact" resamples it over its box (pixel centres, >= 0.5);
+    # "torchvision" as torchvision's paste_masks_in_image (28 -> 30 padding, integer box, > 0.5).
+    mask_paste: str = "exact"
 
 
 @dataclass
@@ -162,6 +184,9 @@ class ModelConfig:
     mrcnn_head_num_filters: int = 256
     # Side of the predicted masks.
     mrcnn_resolution: int = 28
+    # RoIAlign's sampling grid: True shifts boxes by half a cell (Detectron2 / torchvision aligned=True);
+    # False is the original Mask R-CNN's (torchvision's Mask R-CNN weights are trained with it).
+    roi_align_aligned: bool = True
     # Scales of the (dy, dx, dh, dw) targets of the box head.
     bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0)
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
@@ -207,6 +232,10 @@ class TrainConfig:
     l2_weight_decay: float = 1e-4
     # ImageNet-pretrained backbone checkpoint (see weights/); None trains from scratch.
     backbone_checkpoint: Optional[str] = None
+    # A training checkpoint (a model_dir, meaning its newest one, or a checkpoint prefix) whose model weights
+    # a new run starts from: fine-tuning, where the optimizer, the step and the schedule start fresh and the
+    # class layers are reinitialised when num_classes differs. A run that resumes ignores it. None: unused.
+    init_checkpoint: Optional[str] = None
     # Seeds Python, NumPy and TF; None leaves runs non-deterministic.
     seed: Optional[int] = None
 
@@ -310,8 +339,18 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def pretrained(self) -> bool:
-        """True when a run starts from pretrained weights (today: --backbone_checkpoint)."""
-        return self.train.backbone_checkpoint is not None
+        """True when a run starts from pretrained weights: an ImageNet backbone (--backbone_checkpoint) or
+        the model weights of a training checkpoint (--init_checkpoint).
+
+        Raises ConfigError naming both flags when both are given: the init checkpoint's backbone would
+        replace the pretrained one, so one of them is a mistake.
+        """
+        train = self.train
+        if train.backbone_checkpoint is not None and train.init_checkpoint is not None:
+            raise ConfigError("--init_checkpoint", f"{train.init_checkpoint} and --backbone_checkpoint "
+                                                   f"{train.backbone_checkpoint} both give the backbone's weights: "
+                                                   "give one of them")
+        return train.backbone_checkpoint is not None or train.init_checkpoint is not None
 
     def resolved(self) -> "Config":
         """A copy with every setting left to its rule (None) filled in; resolved configs are unchanged.
@@ -398,6 +437,17 @@ class Config:
             raise ConfigError("--backbone", f"'{self.model.backbone}' is not one of {', '.join(BACKBONES)}")
         if self.runtime.custom_ops not in CUSTOM_OPS_MODES:
             raise ConfigError("--custom_ops", f"'{self.runtime.custom_ops}' is not one of {CUSTOM_OPS_MODES}")
+        if self.model.test.mask_paste not in MASK_PASTES:
+            raise ConfigError("model.test.mask_paste", f"'{self.model.test.mask_paste}' is not one of {MASK_PASTES}")
+        if self.data.jpeg_dct_method not in JPEG_DCT_METHODS:
+            raise ConfigError("data.jpeg_dct_method",
+                              f"'{self.data.jpeg_dct_method}' is not one of {JPEG_DCT_METHODS}")
+        for key, value in (("data.resize_min_size", self.data.resize_min_size),
+                           ("data.pad_to_multiple", self.data.pad_to_multiple)):
+            if value is not None and value < 1:
+                raise ConfigError(key, f"{value} must be >= 1 (or none)")
+        if self.data.resize_max_size < 1:
+            raise ConfigError("data.resize_max_size", f"{self.data.resize_max_size} must be >= 1")
         if self.model.num_classes < 2:
             raise ConfigError("--num_classes", f"{self.model.num_classes}: need background and >= 1 class")
         anchors = self.model.anchors
@@ -447,7 +497,8 @@ MODEL_DEFINING_KEYS = (
     "model.backbone", "model.num_classes", "data.image_size", "model.stride_in_1x1", "model.include_mask",
     "model.fpn_num_filters", "model.fast_rcnn_mlp_head_dim", "model.mrcnn_head_num_filters",
     "model.mrcnn_resolution", "model.anchors.min_level", "model.anchors.max_level", "model.anchors.num_scales",
-    "model.anchors.aspect_ratios", "model.anchors.anchor_scale",
+    "model.anchors.aspect_ratios", "model.anchors.anchor_scale", "model.anchors.anchor_offset",
+    "model.anchors.round_base_anchors",
 )
 # Settings of one invocation rather than of the run: a saved config does not carry them to the next command.
 PER_COMMAND_KEYS = (
@@ -458,6 +509,8 @@ PER_COMMAND_SECTIONS = ("infer.", "export.")
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
+MASK_PASTES = ("exact", "torchvision")
+JPEG_DCT_METHODS = ("", "INTEGER_FAST", "INTEGER_ACCURATE")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 

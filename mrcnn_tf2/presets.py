@@ -1,7 +1,8 @@
 """Named presets: sets of config values that `--preset NAME` applies on every `main.py` command.
 
-A preset is applied over the defaults and a saved run's config (<model_dir>/config.json), and under
-`--config_override` and the explicit flags, which win. `--print_config` names the preset as the source of
+A preset is applied over the defaults and a saved run's config (<model_dir>/config.json), except for the
+values the saved run's weights are tied to (config.MODEL_DEFINING_KEYS), and under `--config_override` and
+the explicit flags, which win. `--print_config` names the preset as the source of
 each value it set. Keys are dotted config paths (mrcnn_tf2.config); values are Python values of the
 field's type.
 
@@ -45,6 +46,39 @@ PRESETS = {
             "runtime.log_every": 25,
             "runtime.log_warmup_steps": 5,
             "runtime.checkpoint_every": 100,
+        },
+    ),
+    "torchvision": dict(
+        description="torchvision's maskrcnn_resnet50_fpn conventions, for its weights converted with "
+                    "weights/convert_torchvision.py (ResNet-50, 91 COCO ids, shorter side 800)",
+        values={
+            # The weights' own backbone and classes come with them (the converter's config.json; ResNet-50 and
+            # 91 COCO ids are the defaults). Shorter side 800, longer at most 1333; batches padded to a multiple of 32. Training pads to the
+            # 1344x1344 canvas, which holds any image of the rule in either orientation.
+            "data.resize_min_size": 800,
+            "data.resize_max_size": 1333,
+            "data.pad_to_multiple": 32,
+            "data.image_size": (1344, 1344),
+            # PIL, with which torchvision's reference scripts load images, decodes JPEG with ISLOW.
+            "data.jpeg_dct_method": "INTEGER_ACCURATE",
+            # AnchorGenerator(sizes 32..512, aspect ratios h/w 0.5, 1, 2): (x, y) multipliers in that order,
+            # corners rounded, centres on the stride grid without a half-stride offset.
+            "model.anchors.anchor_scale": 8.0,
+            "model.anchors.num_scales": 1,
+            "model.anchors.aspect_ratios": ((2 ** 0.5, 2 ** -0.5), (1.0, 1.0), (2 ** -0.5, 2 ** 0.5)),
+            "model.anchors.anchor_offset": 0.0,
+            "model.anchors.round_base_anchors": True,
+            "model.roi_align_aligned": False,
+            "model.rpn.rpn_min_size": 1e-3,
+            "model.rpn.train_rpn_pre_nms_topn": 2000,
+            "model.rpn.train_rpn_post_nms_topn": 2000,
+            "model.rpn.test_rpn_pre_nms_topn": 1000,
+            "model.rpn.test_rpn_post_nms_topn": 1000,
+            "model.test.test_score_threshold": 0.05,
+            "model.test.test_min_box_size": 1e-2,
+            "model.test.test_nms": 0.5,
+            "model.test.test_detections_per_image": 100,
+            "model.test.mask_paste": "torchvision",
         },
     ),
 }

@@ -1,4 +1,4 @@
-// Multilevel RoIAlign (torchvision aligned=True) and its gradient, fused.
+// Multilevel RoIAlign (torchvision's, aligned=True or False) and its gradient, fused.
 //
 // Twin: mrcnn_tf2/ops/roi_align.py multilevel_roi_align, which states the sampling rules. The Python
 // wrapper (mrcnn_tf2/ops/fused.py) assigns each box its level with the twin's own assign_levels and casts
@@ -25,6 +25,7 @@ REGISTER_OP("MrcnnRoiAlign")
     .Attr("min_level: int")
     .Attr("output_size: int >= 1")
     .Attr("sampling_ratio: int >= 1")
+    .Attr("aligned: bool = true")  // torchvision's aligned: see ComputeBoxTaps
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       int num_levels, output_size;
       TF_RETURN_IF_ERROR(c->GetAttr("num_levels", &num_levels));
@@ -46,6 +47,7 @@ REGISTER_OP("MrcnnRoiAlignGrad")
     .Attr("num_levels: int >= 1")
     .Attr("min_level: int")
     .Attr("sampling_ratio: int >= 1")
+    .Attr("aligned: bool = true")  // the forward op's
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       int num_levels;
       TF_RETURN_IF_ERROR(c->GetAttr("num_levels", &num_levels));
@@ -58,22 +60,26 @@ REGISTER_OP("MrcnnRoiAlignGrad")
       return Status();
     });
 
-// The bilinear taps of the S samples along one axis of one box, with the twin's float arithmetic:
-// sample m sits at start + (m + 0.5) / S * length; outside [-1, size] it weighs 0, inside it is clamped
-// to [0, size - 1] and split between its lower and upper cell. Weights include the 1 / s of the bin mean.
+// The bilinear taps of the S samples along one axis of one box, with the twin's (and torchvision's) float
+// arithmetic: sample iy of bin i sits at start + i * bin_size + (iy + 0.5) * bin_size / s; outside
+// [-1, size] it weighs 0, inside it is clamped to [0, size - 1] and split between its lower and upper cell.
+// Weights include the 1 / s of the bin mean.
 struct AxisTaps {
   std::vector<int> low, high;
   std::vector<float> w_low, w_high;
 
-  void Compute(float start, float length, int size, int num_samples, int sampling_ratio) {
+  void Compute(float start, float length, int size, int output_size, int sampling_ratio) {
+    const int num_samples = output_size * sampling_ratio;
     low.resize(num_samples);
     high.resize(num_samples);
     w_low.resize(num_samples);
     w_high.resize(num_samples);
     const float fsize = static_cast<float>(size);
+    const float bin_size = length / static_cast<float>(output_size);
     for (int m = 0; m < num_samples; ++m) {
-      const float step = (static_cast<float>(m) + 0.5f) / static_cast<float>(num_samples);
-      float coord = start + step * length;
+      const float bin_index = static_cast<float>(m / sampling_ratio);
+      const float in_bin = static_cast<float>(m % sampling_ratio) + 0.5f;
+      float coord = start + bin_index * bin_size + in_bin * bin_size / static_cast<float>(sampling_ratio);
       const float inside = (coord >= -1.0f && coord <= fsize) ? 1.0f : 0.0f;
       coord = std::min(std::max(coord, 0.0f), fsize - 1.0f);
       const float lo = std::floor(coord);
@@ -92,14 +98,23 @@ struct BoxTaps {
   AxisTaps y, x;
 };
 
-inline bool ComputeBoxTaps(const float* box, int level, int min_level, int height, int width, int num_samples,
-                           int sampling_ratio, BoxTaps* taps) {
+// aligned shifts the box by -0.5 cell (cell centres at integer coordinates); otherwise the box is not
+// shifted and its height and width are at least 1 cell, as in torchvision's aligned=False. The extents are
+// taken after the shift, as torchvision (and the twin) take them, so that they round alike.
+inline bool ComputeBoxTaps(const float* box, int level, int min_level, int height, int width, int output_size,
+                           int sampling_ratio, bool aligned, BoxTaps* taps) {
   if (height <= 0 || width <= 0) return false;
   const float scale = std::ldexp(1.0f, -(level + min_level));
-  const float ymin = box[0] * scale, xmin = box[1] * scale, ymax = box[2] * scale, xmax = box[3] * scale;
+  const float offset = aligned ? 0.5f : 0.0f;
+  const float ymin = box[0] * scale - offset, xmin = box[1] * scale - offset;
+  float box_height = (box[2] * scale - offset) - ymin, box_width = (box[3] * scale - offset) - xmin;
+  if (!aligned) {
+    box_height = std::max(box_height, 1.0f);
+    box_width = std::max(box_width, 1.0f);
+  }
   taps->level = level;
-  taps->y.Compute(ymin - 0.5f, ymax - ymin, height, num_samples, sampling_ratio);
-  taps->x.Compute(xmin - 0.5f, xmax - xmin, width, num_samples, sampling_ratio);
+  taps->y.Compute(ymin, box_height, height, output_size, sampling_ratio);
+  taps->x.Compute(xmin, box_width, width, output_size, sampling_ratio);
   return true;
 }
 
@@ -126,6 +141,7 @@ class RoiAlignOp : public OpKernel {
     OP_REQUIRES_OK(context, context->GetAttr("min_level", &min_level_));
     OP_REQUIRES_OK(context, context->GetAttr("output_size", &output_size_));
     OP_REQUIRES_OK(context, context->GetAttr("sampling_ratio", &sampling_ratio_));
+    OP_REQUIRES_OK(context, context->GetAttr("aligned", &aligned_));
   }
 
   void Compute(OpKernelContext* context) override {
@@ -141,7 +157,7 @@ class RoiAlignOp : public OpKernel {
                                features[l].dim_size(3) == channels,
                   InvalidArgument("features must be [B, H, W, C] with the boxes' B and one C"));
     }
-    const int R = output_size_, s = sampling_ratio_, S = R * s;
+    const int R = output_size_, s = sampling_ratio_;
     Tensor* output = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({batch, num_boxes, R, R, channels}), &output));
     const float* box_data = boxes.flat<float>().data();
@@ -156,7 +172,7 @@ class RoiAlignOp : public OpKernel {
         const Tensor& feature = features[level_data[bn]];
         const int height = feature.dim_size(1), width = feature.dim_size(2);
         float* out = out_data + bn * R * R * channels;
-        if (!ComputeBoxTaps(box_data + 4 * bn, level_data[bn], min_level_, height, width, S, s, &taps)) {
+        if (!ComputeBoxTaps(box_data + 4 * bn, level_data[bn], min_level_, height, width, R, s, aligned_, &taps)) {
           std::fill(out, out + R * R * channels, 0.0f);
           continue;
         }
@@ -192,6 +208,7 @@ class RoiAlignOp : public OpKernel {
 
  private:
   int min_level_, output_size_, sampling_ratio_;
+  bool aligned_;
 };
 
 class RoiAlignGradOp : public OpKernel {
@@ -200,6 +217,7 @@ class RoiAlignGradOp : public OpKernel {
     OP_REQUIRES_OK(context, context->GetAttr("num_levels", &num_levels_));
     OP_REQUIRES_OK(context, context->GetAttr("min_level", &min_level_));
     OP_REQUIRES_OK(context, context->GetAttr("sampling_ratio", &sampling_ratio_));
+    OP_REQUIRES_OK(context, context->GetAttr("aligned", &aligned_));
   }
 
   void Compute(OpKernelContext* context) override {
@@ -215,7 +233,7 @@ class RoiAlignGradOp : public OpKernel {
     OP_REQUIRES(context, level_sizes.dims() == 2 && level_sizes.dim_size(0) == num_levels_ &&
                              level_sizes.dim_size(1) == 2,
                 InvalidArgument("level_sizes must be [L, 2], got ", level_sizes.shape().DebugString()));
-    const int R = grad.dim_size(2), s = sampling_ratio_, S = R * s;
+    const int R = grad.dim_size(2), s = sampling_ratio_;
     const int64_t channels = grad.dim_size(4);
     const auto sizes = level_sizes.matrix<int32_t>();
 
@@ -245,7 +263,8 @@ class RoiAlignGradOp : public OpKernel {
     const int32_t* level_data = levels.flat<int32_t>().data();
     for (int64_t bn = 0; bn < batch * num_boxes; ++bn) {
       const int l = level_data[bn];
-      usable[bn] = ComputeBoxTaps(box_data + 4 * bn, l, min_level_, sizes(l, 0), sizes(l, 1), S, s, &taps[bn]);
+      usable[bn] = ComputeBoxTaps(box_data + 4 * bn, l, min_level_, sizes(l, 0), sizes(l, 1), R, s, aligned_,
+                                  &taps[bn]);
     }
 
     // Boxes overlap, so partitioning by box would race on the scatter-add. Each unit instead owns a block
@@ -293,6 +312,7 @@ class RoiAlignGradOp : public OpKernel {
 
  private:
   int num_levels_, min_level_, sampling_ratio_;
+  bool aligned_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("MrcnnRoiAlign").Device(tensorflow::DEVICE_CPU), RoiAlignOp);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set-up of a fresh clone: a virtual environment with the pinned requirements, then the native parts.
+# Set-up of a fresh clone: a virtual environment with the pinned requirements, then the native parts, then
+# the test-only requirements.
 # Idempotent: every stage leaves a stamp of its inputs and is skipped while they are unchanged, so a
 # second run costs seconds.
 set -euo pipefail
@@ -39,5 +40,16 @@ bash ops/build.sh "$VENV/bin/python"
 # SETUP_HOROVOD=0 skips it: single-process work (the demo) does not need it and saves its ~3 min build.
 if [ "${SETUP_HOROVOD:-1}" != 0 ]; then
   bash scripts/build_horovod.sh "$VENV/bin/python"
+fi
+# The test-only dependencies (requirements-test.txt: torch and torchvision, about 5.5 GB with their CUDA
+# libraries). SETUP_TEST_DEPS=0 skips them: the package and the demo never import them.
+if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
+  stamp="$VENV/.requirements-test.sha256"
+  want=$(sha256sum requirements-test.txt | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "[setup] installing requirements-test.txt into $VENV"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements-test.txt
+    echo "$want" > "$stamp"
+  fi
 fi
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"

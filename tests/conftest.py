@@ -1,9 +1,15 @@
-"""Shared pytest set-up: quiet TensorFlow, fixed seeds.
+"""Shared pytest set-up: torch without Triton, quiet TensorFlow, fixed seeds.
 
 The tests import the repository's top-level main.py, dataset/, weights/, scripts/ and tests/ modules:
 pytest.ini's `pythonpath = .` puts the repository root on sys.path (the package itself is installed, editable).
 """
 import os
+import sys
+
+# Before anything imports torch: in a process that has loaded TensorFlow, importing torchvision segfaults
+# (torchvision.ops imports torch._dynamo, which loads Triton's native library). Made unimportable, Triton is
+# absent to torch, which then runs without it; the tests never need it (torch on the CPU, no torch.compile).
+sys.modules.setdefault("triton", None)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -389,7 +389,8 @@ def test_help_lists_the_presets():
     result = subprocess.run([sys.executable, "main.py", "eval", "--help"], cwd=ROOT, capture_output=True, text=True,
                             check=True)
     text = " ".join(result.stdout.split())
-    assert "--preset {demo}" in text and "demo: the README's demo" in text
+    assert "--preset {demo,torchvision}" in text and "demo: the README's demo" in text
+    assert "torchvision: torchvision's maskrcnn_resnet50_fpn conventions" in text
 
 
 def test_saved_config_is_the_base_of_later_commands_without_its_per_command_settings(tmp_path):
@@ -417,7 +418,6 @@ def test_saved_config_is_the_base_of_later_commands_without_its_per_command_sett
     (["--preset", "demo"], ["--image_size", "256", "256"], ["--image_size", "256 256", "128 128"]),
     (["--preset", "demo"], ["--config_override", "model.fpn_num_filters=256"],
      ["--config_override", "model.fpn_num_filters", "256", "128"]),
-    ([], ["--preset", "demo"], ["--preset", "model.backbone", "resnet18", "resnet50"]),
 ])
 def test_a_command_that_changes_a_saved_models_shape_is_an_error_naming_both_values(
         tmp_path, capsys, saved_flags, flags, names):
@@ -427,6 +427,16 @@ def test_a_command_that_changes_a_saved_models_shape_is_an_error_naming_both_val
         assert status == 2 and len(lines) == 1, lines
         for name in [*names, f"{tmp_path}/config.json"]:
             assert name in lines[0], (name, lines[0])
+
+
+def test_a_preset_leaves_a_saved_models_defining_values_as_saved(tmp_path):
+    # A model trained without the preset (ResNet-50, 91 classes, 832x1344) evaluated under it: the preset's
+    # other values apply, the weights' own shape stays.
+    saved_run(tmp_path, "--num_classes", "7")
+    _, config, sources = arguments.parse(["eval", "--model_dir", str(tmp_path), "--preset", "demo"], with_sources=True)
+    assert (config.model.backbone, config.model.num_classes, config.data.image_size) == ("resnet50", 7, (832, 1344))
+    assert sources["model.num_classes"] == f"saved config {tmp_path}/config.json"
+    assert config.model.rpn.test_rpn_post_nms_topn == 200 and sources["model.rpn.test_rpn_post_nms_topn"] == "--preset demo"
 
 
 def test_repeating_a_saved_value_is_no_contradiction(tmp_path):
@@ -444,7 +454,7 @@ def test_print_config_names_the_source_of_every_non_default_value(tmp_path, caps
     sources, saved = printed["sources"], f"saved config {tmp_path}/config.json"
     assert status == 0
     assert sources["train.l2_weight_decay"] == sources["model.rpn.rpn_min_size"] == sources["model.freeze_bn"] == saved
-    assert sources["model.backbone"] == sources["train.epochs"] == "--preset demo"
+    assert sources["model.backbone"] == saved and sources["train.epochs"] == "--preset demo"
     assert sources["train.seed"] == "--seed" and sources["runtime.model_dir"] == "--model_dir"
     assert sources["train.momentum"] == "--config_override"
     # Exactly the non-default values have a source.

@@ -14,6 +14,7 @@ from pycocotools import mask as mask_utils
 
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import build_model, choose_ops
+from mrcnn_tf2.model.stages import RoIAligner
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops, fused, masks, roi_align, roi_ops
 from mrcnn_tf2.ops import conv as conv_ops
@@ -24,7 +25,8 @@ from tests.test_masks import np_mask_target, np_paste
 from tests.test_model import small_config, synthetic_batch
 from tests.test_pipeline import first_batches, make_config, training_pipeline
 from tests.test_roi_ops import np_propose, rpn_outputs
-from tests.test_roi_align import np_roi_align, random_boxes, random_pyramid
+from tests.test_roi_align import (check_multiscale_against_torchvision, check_per_level_against_torchvision,
+                                   np_roi_align, random_boxes, random_pyramid, torchvision_boxes)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -198,9 +200,9 @@ def test_winograd_output_names_a_wrong_tile_count(library):
 
 # -- RoIAlign ----------------------------------------------------------------------------------------------
 
-def both_roi_align(features, boxes, output_size, sampling_ratio=2):
-    return (fused.multilevel_roi_align(features, boxes, output_size, sampling_ratio),
-            roi_align.multilevel_roi_align(features, boxes, output_size, sampling_ratio))
+def both_roi_align(features, boxes, output_size, sampling_ratio=2, aligned=True):
+    return (fused.multilevel_roi_align(features, boxes, output_size, sampling_ratio, aligned),
+            roi_align.multilevel_roi_align(features, boxes, output_size, sampling_ratio, aligned))
 
 
 def edge_case_boxes(rng, image_hw):
@@ -215,17 +217,26 @@ def edge_case_boxes(rng, image_hw):
     return boxes
 
 
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("output_size, sampling_ratio", [(3, 2), (4, 1), (2, 3)])
-def test_roi_align_matches_twin_and_oracle(rng, output_size, sampling_ratio):
+def test_roi_align_matches_twin_and_oracle(rng, output_size, sampling_ratio, aligned):
     image_hw = (64, 96)
     features = random_pyramid(rng, 2, image_hw, (2, 3, 4), 5)
     boxes = edge_case_boxes(rng, image_hw)
-    got, want = both_roi_align(features, boxes, output_size, sampling_ratio)
+    got, want = both_roi_align(features, boxes, output_size, sampling_ratio, aligned)
     assert got.shape == want.shape == (2, 10, output_size, output_size, 5) and got.dtype == tf.float32
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
     oracle = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, output_size,
-                          sampling_ratio)
+                          sampling_ratio, aligned)
     np.testing.assert_allclose(got.numpy(), oracle, atol=1e-4)
+
+
+def test_roi_align_matches_torchvision_roi_align_per_level(rng):
+    check_per_level_against_torchvision(fused.multilevel_roi_align, rng)
+
+
+def test_roi_align_aligned_false_matches_torchvision_multiscale_roi_align(rng):
+    check_multiscale_against_torchvision(fused.multilevel_roi_align, rng)
 
 
 def test_roi_align_no_boxes_all_padding_and_an_empty_level(rng):
@@ -242,7 +253,8 @@ def test_roi_align_no_boxes_all_padding_and_an_empty_level(rng):
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
 
 
-def test_roi_align_gradient_matches_twin(rng):
+@pytest.mark.parametrize("aligned", [True, False])
+def test_roi_align_gradient_matches_twin(rng, aligned):
     image_hw = (64, 96)
     features = {k: tf.constant(v) for k, v in random_pyramid(rng, 2, image_hw, (2, 3, 4), 6).items()}
     boxes = edge_case_boxes(rng, image_hw)
@@ -251,7 +263,7 @@ def test_roi_align_gradient_matches_twin(rng):
     for fn in (fused.multilevel_roi_align, roi_align.multilevel_roi_align):
         with tf.GradientTape() as tape:
             tape.watch(features)
-            loss = tf.reduce_sum(fn(features, boxes, 3, 2) * upstream)
+            loss = tf.reduce_sum(fn(features, boxes, 3, 2, aligned) * upstream)
         grads.append(tape.gradient(loss, features))
     for level in features:
         got = tf.convert_to_tensor(grads[0][level]).numpy()
@@ -281,6 +293,50 @@ def test_roi_align_bfloat16_and_inside_tf_function(rng):
         np.testing.assert_allclose(tf.cast(got_grad[level], tf.float32).numpy(),
                                    tf.cast(tf.convert_to_tensor(want_grad[level]), tf.float32).numpy(),
                                    atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_roi_align_feature_sizes_unknown_at_trace_time(rng, aligned):
+    """One trace with None batch, height and width serves pyramids of two image sizes, forward and gradient."""
+    levels = (2, 3, 4, 5)
+    # A list, not the {level: tensor} dict: tf.function cannot bind a dict with int keys to a signature.
+    signature = [[tf.TensorSpec([None, None, None, 3], tf.float32)] * len(levels),
+                 tf.TensorSpec([None, None, 4], tf.float32), tf.TensorSpec([None, None, 7, 7, 3], tf.float32)]
+
+    def value_and_grad(fn):
+        @tf.function(input_signature=signature)
+        def run(features, boxes, upstream):
+            with tf.GradientTape() as tape:
+                tape.watch(features)
+                out = fn(dict(zip(levels, features)), boxes, 7, 2, aligned)
+                loss = tf.reduce_sum(out * upstream)
+            return out, tape.gradient(loss, features)
+        return run
+
+    got_fn, want_fn = value_and_grad(fused.multilevel_roi_align), value_and_grad(roi_align.multilevel_roi_align)
+    for batch, image_hw in [(2, (64, 96)), (1, (128, 32))]:
+        features = [tf.constant(v) for v in random_pyramid(rng, batch, image_hw, levels, 3).values()]
+        boxes = torchvision_boxes(rng, batch, 6, image_hw)
+        upstream = rng.normal(size=(batch, 6, 7, 7, 3)).astype(np.float32)
+        (got, got_grads), (want, want_grads) = got_fn(features, boxes, upstream), want_fn(features, boxes, upstream)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+        for feature, got_grad, want_grad in zip(features, got_grads, want_grads):
+            assert got_grad.shape == feature.shape
+            np.testing.assert_allclose(got_grad.numpy(), want_grad.numpy(), atol=1e-5)
+    assert got_fn.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.parametrize("use_fused", [False, True])
+def test_roi_aligner_stage_passes_aligned(rng, use_fused):
+    features = random_pyramid(rng, 2, (64, 64), (2, 3), 3)
+    boxes = torchvision_boxes(rng, 2, 5, (64, 64))
+    align = fused.multilevel_roi_align if use_fused else roi_align.multilevel_roi_align
+    got = {aligned: RoIAligner(7, aligned=aligned, fused=use_fused)(features, boxes).numpy()
+           for aligned in (True, False)}
+    for aligned in (True, False):
+        np.testing.assert_array_equal(got[aligned], align(features, boxes, 7, 2, aligned).numpy())
+    assert not np.allclose(got[True], got[False], atol=1e-3)
+    assert RoIAligner(7).aligned is True
 
 
 def test_roi_align_bad_arguments_are_the_twins():

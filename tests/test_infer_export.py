@@ -21,6 +21,7 @@ from PIL import Image
 
 import main
 from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.runtime import export, infer
 from mrcnn_tf2.runtime.predictor import load_model, predict_function
@@ -297,7 +298,7 @@ def in_process(model_dir, photo):
     """In-process inference (as `main.py infer` runs it) on `photo`, with the pure-TF ops the export uses."""
     config = config_for("infer", "--model_dir", model_dir, "--custom_ops", "off")
     predict = predict_function(load_model(config).model)
-    return infer.detect(predict, [infer.Photo(1, "photo", photo)], config.data.image_size,
+    return infer.detect(predict, [infer.Photo(1, "photo", photo)], Preprocessor(config.data),
                         config.eval.eval_batch_size)
 
 

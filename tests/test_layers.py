@@ -197,8 +197,8 @@ def test_the_console_script_is_main_py(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [
     "dataset/make_shapes_dataset.py", "dataset/create_coco_tf_record.py", "weights/convert_keras_resnet.py",
-    "scripts/benchmark_conv.py", "scripts/benchmark_model.py", "scripts/benchmark_ops.py",
-    "scripts/benchmark_pipeline.py",
+    "weights/convert_torchvision.py", "scripts/benchmark_conv.py", "scripts/benchmark_model.py", "scripts/benchmark_ops.py",
+    "scripts/benchmark_pipeline.py", "scripts/benchmark_torchvision.py",
 ])
 def test_the_repository_tools_run_from_another_directory(script, tmp_path):
     result = run_outside(tmp_path, sys.executable, str(ROOT / script), "--help")

@@ -30,7 +30,8 @@ def np_iou(a, b):
     return inter / union
 
 
-def np_detections(logits, deltas, rois, image_hw, max_det=100, nms=0.5, score_thr=0.05, pre_nms=1000):
+def np_detections(logits, deltas, rois, image_hw, max_det=100, nms=0.5, score_thr=0.05, pre_nms=1000,
+                  min_size=0.0):
     """One image: list of (class, score, box) by descending score, from the documented rules."""
     logits = logits.astype(np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -40,11 +41,12 @@ def np_detections(logits, deltas, rois, image_hw, max_det=100, nms=0.5, score_th
     for c in range(1, logits.shape[1]):
         candidates = []
         for i, roi in enumerate(rois):
-            if roi.max() < 0 or probs[i, c] < score_thr:
+            if roi.max() < 0 or probs[i, c] <= score_thr:
                 continue
             box = np_decode(deltas[i, c], roi)
             box = np.clip(box, 0, [height, width, height, width])
-            if box[2] > box[0] and box[3] > box[1]:
+            side = min(box[2] - box[0], box[3] - box[1])
+            if side > 0 and side >= min_size:
                 candidates.append((probs[i, c], box))
         candidates.sort(key=lambda item: -item[0])
         kept = []
@@ -155,13 +157,27 @@ def test_score_threshold_respected():
     assert out["detection_classes"].numpy()[0, 0] == 1
 
 
-def test_score_equal_to_threshold_is_kept():
-    # Equal logits over two classes: a score of exactly 0.5.
-    out = postprocess.generate_detections(np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2, 4), np.float32),
-                                          np.array([[[0, 0, 10, 10]]], np.float32), np.array([[50, 50]], np.float32),
-                                          score_threshold=0.5)
+def test_score_must_exceed_the_threshold():
+    # Equal logits over two classes: a score of exactly 0.5 is dropped at threshold 0.5 (torchvision's and
+    # Detectron2's `score > threshold`) and kept just below it.
+    args = (np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2, 4), np.float32),
+            np.array([[[0, 0, 10, 10]]], np.float32), np.array([[50, 50]], np.float32))
+    np.testing.assert_array_equal(postprocess.generate_detections(*args, score_threshold=0.5)["num_detections"], [0])
+    out = postprocess.generate_detections(*args, score_threshold=0.4999)
     np.testing.assert_array_equal(out["num_detections"].numpy(), [1])
     np.testing.assert_array_equal(out["detection_scores"].numpy()[0, 0], 0.5)
+
+
+def test_small_boxes_are_dropped(rng):
+    # Boxes with a side below min_box_size (some clipped thin at the image border) go; the rest match the oracle.
+    logits, deltas, rois, image_hw = random_case(rng)
+    rois[0, :6] = [[0, 0, 0.3, 8], [5, 5, 13, 5.2], [1, 1, 9, 9], [60, 2, 70, 9], [3, 63.7, 9, 70], [2, 2, 2.6, 2.6]]
+    deltas[0, :6] = 0
+    image_hw[:] = 64
+    for min_size in (0.0, 0.5, 2.0):
+        out = postprocess.generate_detections(logits, deltas, rois, image_hw, score_threshold=0.0,
+                                              min_box_size=min_size)
+        check_against_oracle(out, logits, deltas, rois, image_hw, score_thr=0.0, min_size=min_size)
 
 
 def test_max_detections_cap(rng):

@@ -1,9 +1,15 @@
-"""Multilevel RoIAlign against a NumPy loop transcription of torchvision's roi_align(aligned=True)."""
+"""Multilevel RoIAlign against a NumPy loop transcription of torchvision's roi_align, and against torchvision.
+
+The torchvision helpers take NumPy arrays in this package's layout (NHWC features, [B, N, 4] boxes [ymin, xmin,
+ymax, xmax]) and convert them to torchvision's (NCHW, [K, 5] rows (batch index, x1, y1, x2, y2)).
+"""
 import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
+import torch
+import torchvision
 
 from mrcnn_tf2.ops import roi_align
 
@@ -36,7 +42,7 @@ def np_level(box, min_level, max_level):
     return min(max(level, min_level), max_level)
 
 
-def np_roi_align(features, boxes, output_size, sampling_ratio):
+def np_roi_align(features, boxes, output_size, sampling_ratio, aligned=True):
     """features {level: [B, H, W, C]} float64, boxes [B, N, 4] -> [B, N, R, R, C], one point at a time."""
     levels = sorted(features)
     batch, num_boxes = boxes.shape[:2]
@@ -46,8 +52,11 @@ def np_roi_align(features, boxes, output_size, sampling_ratio):
         for n in range(num_boxes):
             level = np_level(boxes[b, n], levels[0], levels[-1])
             feature = features[level][b]
-            y0, x0, y1, x1 = boxes[b, n] / 2.0**level - 0.5
-            bin_h, bin_w = (y1 - y0) / output_size, (x1 - x0) / output_size
+            y0, x0, y1, x1 = boxes[b, n] / 2.0**level - (0.5 if aligned else 0.0)
+            height, width = y1 - y0, x1 - x0
+            if not aligned:
+                height, width = max(height, 1.0), max(width, 1.0)
+            bin_h, bin_w = height / output_size, width / output_size
             for i in range(output_size):
                 for j in range(output_size):
                     total = np.zeros(channels)
@@ -178,6 +187,7 @@ def test_gradient_reaches_only_features_under_the_box():
     (dict(output_size=0), "output_size"),
     (dict(sampling_ratio=0), "sampling_ratio"),
     (dict(boxes=np.zeros((1, 3, 5), np.float32)), "boxes"),
+    (dict(aligned="False"), "aligned"),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(features={2: np.zeros((1, 4, 4, 1), np.float32)}, boxes=np.zeros((1, 3, 4), np.float32),
@@ -185,3 +195,113 @@ def test_bad_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         roi_align.multilevel_roi_align(**args)
+
+
+# -- against torchvision -----------------------------------------------------------------------------------
+
+# A multiple of 32, so that MultiScaleRoIAlign infers P2..P5's strides 4..32 from the feature sizes.
+TORCHVISION_IMAGE_HW = (96, 128)
+
+
+def nchw(features):
+    return torch.from_numpy(features).permute(0, 3, 1, 2)
+
+
+def xyxy(boxes):
+    return torch.from_numpy(np.ascontiguousarray(boxes[..., [1, 0, 3, 2]]))
+
+
+def per_box_nhwc(out, boxes):
+    """torchvision's [B * N, C, R, R] output as [B, N, R, R, C]."""
+    out = out.permute(0, 2, 3, 1).numpy()
+    return out.reshape(boxes.shape[:2] + out.shape[1:])
+
+
+def torchvision_roi_align(feature, boxes, level, output_size, sampling_ratio, aligned):
+    """torchvision.ops.roi_align of every box on one level: [B, H, W, C] feature, [B, N, 4] boxes."""
+    batch_index = torch.arange(boxes.shape[0], dtype=torch.float32).repeat_interleave(boxes.shape[1])
+    rois = torch.cat([batch_index[:, None], xyxy(boxes).reshape(-1, 4)], dim=1)
+    out = torchvision.ops.roi_align(nchw(feature), rois, output_size, 2.0**-level, sampling_ratio, aligned)
+    return per_box_nhwc(out, boxes)
+
+
+def torchvision_multiscale_roi_align(features, boxes, image_hw, output_size, sampling_ratio):
+    """torchvision.ops.MultiScaleRoIAlign (aligned=False, FPN level mapper) of {level: [B, H, W, C]}."""
+    levels = sorted(features)
+    names = [f"p{level}" for level in levels]
+    pooler = torchvision.ops.MultiScaleRoIAlign(names, output_size, sampling_ratio)
+    out = pooler({name: nchw(features[level]) for name, level in zip(names, levels)}, list(xyxy(boxes)),
+                 [image_hw] * len(boxes))
+    return per_box_nhwc(out, boxes)
+
+
+def torchvision_boxes(rng, batch, num, image_hw):
+    """[batch, num >= 3, 4] boxes on every level P2..P5, many past the image borders, some under 1 cell.
+
+    Sides are log-uniform in [0.5, 600] px per axis, so some boxes are under one P2 cell (4 px) along one or
+    both axes; box 0 is under a cell on both axes, box 1 along y only, and box 2 is on P5 (even images) or
+    P4 (odd images). Every box is non-empty: MultiScaleRoIAlign's level of an inverted box is NaN.
+    """
+    sides = np.exp(rng.uniform(np.log(0.5), np.log(600.0), size=(batch, num, 2)))
+    centres = rng.uniform(-16.0, 16.0, size=(batch, num, 2)) + rng.uniform(size=(batch, num, 2)) * image_hw
+    sides[:, 0] = [0.6, 0.9]
+    sides[:, 1] = [2.0, 40.0]
+    sides[0::2, 2] = [500.0, 600.0]  # P5
+    sides[1::2, 2] = [250.0, 260.0]  # P4
+    return np.concatenate([centres - sides / 2, centres + sides / 2], axis=-1).astype(np.float32)
+
+
+def check_per_level_against_torchvision(align, rng):
+    """align (this package's multilevel_roi_align or its fused twin) given one level only, so that every box
+    reads it, equals torchvision.ops.roi_align on that level, for aligned True and False."""
+    features = random_pyramid(rng, 3, TORCHVISION_IMAGE_HW, (2, 3), 4)
+    boxes = torchvision_boxes(rng, 3, 12, TORCHVISION_IMAGE_HW)
+    boxes[2, -1] = -1.0  # a padded row
+    cases = [(level, aligned, size) for level in (2, 3) for aligned in (True, False) for size in (7, 14)]
+    for level, aligned, output_size in cases:
+        reference = torchvision_roi_align(features[level], boxes, level, output_size, 2, aligned)
+        got = align({level: features[level]}, boxes, output_size, 2, aligned=aligned)
+        np.testing.assert_allclose(got.numpy(), reference, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"level {level}, aligned={aligned}, output_size {output_size}")
+
+
+def check_multiscale_against_torchvision(align, rng):
+    """align(..., aligned=False) on P2..P5 equals torchvision.ops.MultiScaleRoIAlign at output sizes 7, 14."""
+    levels = (2, 3, 4, 5)
+    features = random_pyramid(rng, 3, TORCHVISION_IMAGE_HW, levels, 4)
+    boxes = torchvision_boxes(rng, 3, 16, TORCHVISION_IMAGE_HW)
+    assert {np_level(box, 2, 5) for box in boxes.reshape(-1, 4)} == set(levels)
+    for output_size in (7, 14):
+        reference = torchvision_multiscale_roi_align(features, boxes, TORCHVISION_IMAGE_HW, output_size, 2)
+        got = align(features, boxes, output_size, 2, aligned=False)
+        np.testing.assert_allclose(got.numpy(), reference, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"output_size {output_size}")
+
+
+def test_matches_torchvision_roi_align_per_level(rng):
+    check_per_level_against_torchvision(roi_align.multilevel_roi_align, rng)
+
+
+def test_aligned_false_matches_torchvision_multiscale_roi_align(rng):
+    check_multiscale_against_torchvision(roi_align.multilevel_roi_align, rng)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_feature_sizes_unknown_at_trace_time(rng, aligned):
+    """One trace with None batch, height and width serves pyramids of two image sizes (per-batch sizes)."""
+    levels = (2, 3, 4, 5)
+    # A list, not the {level: tensor} dict: tf.function cannot bind a dict with int keys to a signature.
+    signature = [[tf.TensorSpec([None, None, None, 3], tf.float32)] * len(levels),
+                 tf.TensorSpec([None, None, 4], tf.float32)]
+
+    @tf.function(input_signature=signature)
+    def align(features, boxes):
+        return roi_align.multilevel_roi_align(dict(zip(levels, features)), boxes, 7, aligned=aligned)
+
+    for batch, image_hw in [(2, (64, 96)), (1, (128, 32))]:
+        features = random_pyramid(rng, batch, image_hw, levels, 3)
+        boxes = torchvision_boxes(rng, batch, 6, image_hw)
+        want = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, 7, 2, aligned)
+        got = align([features[level] for level in levels], boxes)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert align.experimental_get_tracing_count() == 1

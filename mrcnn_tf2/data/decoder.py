@@ -23,12 +23,13 @@ FEATURES = {
 MASK_FEATURE = {"image/object/mask": tf.io.VarLenFeature(tf.string)}
 
 
-def decode_example(serialized, include_masks=True):
+def decode_example(serialized, include_masks=True, dct_method=""):
     """Decodes one example.
 
     Args:
       serialized: scalar tf.string, a serialized tf.train.Example.
       include_masks: decode the per-instance PNG masks.
+      dct_method: tf.io.decode_jpeg's ("" TensorFlow's default, "INTEGER_ACCURATE" as PIL decodes).
 
     Returns:
       dict with
@@ -45,7 +46,7 @@ def decode_example(serialized, include_masks=True):
         key: tf.sparse.to_dense(value) if isinstance(value, tf.SparseTensor) else value
         for key, value in parsed.items()
     }
-    image = tf.io.decode_jpeg(dense["image/encoded"], channels=3)
+    image = tf.io.decode_jpeg(dense["image/encoded"], channels=3, dct_method=dct_method)
     size = tf.cast(tf.shape(image)[:2], tf.float32)
     boxes = tf.stack(
         [

@@ -25,7 +25,7 @@ import functools
 import tensorflow as tf
 
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.preprocess import resize_normalize_pad
+from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
 
 # Class id and mask value of a padded ground-truth slot (padded boxes are PADDING_BOX_VALUE).
@@ -184,6 +184,7 @@ class InputPipeline:
         # XLA does not apply to these: tf.data functions are not jit-compiled.
         self.rpn_targets = rpn_targets
         self.anchors = anchors
+        self.preprocessor = Preprocessor(config.data)
 
     def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
@@ -217,8 +218,12 @@ class InputPipeline:
                 batches = batches.take(1).cache().repeat()
         else:
             examples = records.map(self.preprocess_eval, num_parallel_calls=tf.data.AUTOTUNE)
-            batches = examples.batch(batch_size, drop_remainder=False)
+            # Zero padding to the batch's largest example, then to the model input's size (`pad_batch`).
+            batches = examples.padded_batch(batch_size, drop_remainder=False).map(self._pad_batch)
         return batches.prefetch(tf.data.AUTOTUNE)
+
+    def _pad_batch(self, batch):
+        return dict(batch, images=self.preprocessor.pad_batch(batch["images"], batch["image_info"]))
 
     def _stateless_seed(self, index):
         """[2] int64 seed of the element `index`: fixed by --seed when given, random otherwise."""
@@ -236,7 +241,7 @@ class InputPipeline:
         """
         data = self.data
         include_mask = self.model.include_mask
-        example = decode_example(serialized, include_masks=include_mask)
+        example = decode_example(serialized, include_masks=include_mask, dct_method=data.jpeg_dct_method)
         image, boxes, classes = example["image"], example["gt_boxes"], example["gt_classes"]
         keep = tf.ones_like(classes, tf.bool)
         if data.skip_crowd_during_training:
@@ -253,7 +258,7 @@ class InputPipeline:
             flip = tf.random.stateless_uniform([], flip_seed) < 0.5
             parts = tf.cond(flip, lambda: flip_horizontally(*parts), lambda: parts)
         image, boxes = parts[:2]
-        image, image_info, scale = resize_normalize_pad(image, data.image_size)
+        image, image_info, scale = self.preprocessor.training_example(image)
         boxes = pad_instances(boxes * scale, data.max_num_instances, PADDING_BOX_VALUE)
         features = {
             "images": image,
@@ -280,7 +285,8 @@ class InputPipeline:
         return features
 
     def preprocess_eval(self, serialized):
-        """One evaluation example: dict with images [H, W, 3] float32, image_info [5], source_ids int64."""
-        example = decode_example(serialized, include_masks=False)
-        image, image_info, _ = resize_normalize_pad(example["image"], self.data.image_size)
+        """One evaluation example: dict with images [H, W, 3] float32 (or [h', w', 3] when batches are padded to
+        their own size: `Preprocessor.example`), image_info [5], source_ids int64."""
+        example = decode_example(serialized, include_masks=False, dct_method=self.data.jpeg_dct_method)
+        image, image_info, _ = self.preprocessor.example(example["image"])
         return {"images": image, "image_info": image_info, "source_ids": example["source_id"]}

@@ -6,13 +6,14 @@ evaluation and inference; `build_anchors` for the model, whose `anchors` the inp
 """
 
 import dataclasses
+import functools
 
 from mrcnn_tf2.model.backbone import ResNet
 from mrcnn_tf2.model.fpn import FPN
 from mrcnn_tf2.model.heads import BoxHead, MaskHead, RPNHead
 from mrcnn_tf2.model.mask_rcnn import MaskRCNN
-from mrcnn_tf2.model.stages import (DetectionGenerator, MaskTargetGenerator, ProposalGenerator, RoIAligner,
-                                    RoISampler)
+from mrcnn_tf2.model.stages import (AnchorGenerator, DetectionGenerator, MaskTargetGenerator, ProposalGenerator,
+                                    RoIAligner, RoISampler)
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import fused as fused_ops
 from mrcnn_tf2.ops import masks as mask_ops
@@ -30,11 +31,14 @@ class OpChoice:
       the mask encoding of evaluation and inference run the fused C++ ops, else their pure-TF twins.
     fused_convs: the 3x3 convs of backbone, FPN, RPN head and mask head run the fused Winograd op.
     jit_dense: the learned layers are XLA-compiled (the non-learned stages run between them).
+    mask_paste: how evaluation and inference paste masks into images (model.test.mask_paste): "exact" or
+      "torchvision", which only the pure-NumPy encoder implements.
     """
 
     fused: bool
     fused_convs: bool
     jit_dense: bool
+    mask_paste: str = "exact"
 
     @property
     def rpn_targets(self):
@@ -43,7 +47,9 @@ class OpChoice:
 
     @property
     def mask_encoder(self):
-        """`ops.masks.encode_pasted_masks` or its fused twin (same signature, same RLE)."""
+        """`ops.masks.encode_pasted_masks` with the chosen paste, or its fused twin (same signature, same RLE)."""
+        if self.mask_paste != "exact":
+            return functools.partial(mask_ops.encode_pasted_masks, paste=self.mask_paste)
         return fused_ops.encode_pasted_masks if self.fused else mask_ops.encode_pasted_masks
 
 
@@ -68,17 +74,21 @@ def choose_ops(config, export=False):
     fused = not export and fused_ops.use_fused(config.runtime.custom_ops)
     xla = config.runtime.xla and not export
     # The 3x3 convs' fused ops would sit inside the XLA-compiled layers, which cannot hold them.
-    return OpChoice(fused=fused, fused_convs=fused and not xla, jit_dense=xla)
+    return OpChoice(fused=fused, fused_convs=fused and not xla, jit_dense=xla, mask_paste=config.model.test.mask_paste)
+
+
+def build_anchor_generator(config):
+    """The model's `AnchorGenerator` (config.model.anchors)."""
+    anchors = config.model.anchors
+    return AnchorGenerator(anchors.min_level, anchors.max_level, anchors.num_scales, anchors.aspect_ratios,
+                           anchors.anchor_scale, offset=anchors.anchor_offset,
+                           round_corners=anchors.round_base_anchors)
 
 
 def build_anchors(config):
-    """The anchor boxes of the model input's size, {level: [H_l*W_l*A, 4] float32 NumPy} (`generate_anchors`).
-
-    The model is built with them (`MaskRCNN.anchors`); the input pipeline labels the model's own.
-    """
-    anchors = config.model.anchors
-    return anchor_ops.generate_anchors(anchors.min_level, anchors.max_level, anchors.num_scales,
-                                       anchors.aspect_ratios, anchors.anchor_scale, config.data.image_size)
+    """The anchor boxes of the model input's size, {level: [H_l*W_l*A, 4] float32 NumPy}: the model's
+    `anchors`, which the input pipeline labels."""
+    return build_anchor_generator(config).at(config.data.image_size)
 
 
 def build_model(config, export=False):
@@ -128,15 +138,18 @@ def build_model(config, export=False):
             bg_thresh_lo=roi.bg_thresh_lo,
             bbox_reg_weights=tuple(model.bbox_reg_weights),
         ),
-        box_roi_aligner=RoIAligner(BOX_ROI_SIZE, fused=fused),
-        mask_roi_aligner=RoIAligner(MASK_ROI_SIZE, fused=fused),
+        box_roi_aligner=RoIAligner(BOX_ROI_SIZE, aligned=model.roi_align_aligned, fused=fused),
+        mask_roi_aligner=RoIAligner(MASK_ROI_SIZE, aligned=model.roi_align_aligned, fused=fused),
         mask_target_generator=MaskTargetGenerator(model.mrcnn_resolution, fused=fused),
         detection_generator=DetectionGenerator(
             max_detections=model.test.test_detections_per_image,
             nms_threshold=model.test.test_nms,
+            score_threshold=model.test.test_score_threshold,
+            min_box_size=model.test.test_min_box_size,
             bbox_reg_weights=tuple(model.bbox_reg_weights),
         ),
-        anchors=build_anchors(config),
+        anchor_generator=build_anchor_generator(config),
+        image_size=config.data.image_size,
         jit_dense=ops.jit_dense,
         loss_weights={
             "rpn_box": model.loss.rpn_box_loss_weight,

@@ -43,8 +43,8 @@ class MaskRCNN(TracksSublayers, keras.Model):
     """
 
     def __init__(self, backbone, fpn, rpn_head, box_head, mask_head, proposal_generator, roi_sampler,
-                 box_roi_aligner, mask_roi_aligner, mask_target_generator, detection_generator, anchors,
-                 loss_weights, l2_weight_decay, jit_dense=False, **kwargs):
+                 box_roi_aligner, mask_roi_aligner, mask_target_generator, detection_generator, anchor_generator,
+                 image_size, loss_weights, l2_weight_decay, jit_dense=False, **kwargs):
         super().__init__(**kwargs)
         self.backbone = backbone
         self.fpn = fpn
@@ -57,8 +57,9 @@ class MaskRCNN(TracksSublayers, keras.Model):
         self.mask_roi_aligner = mask_roi_aligner
         self.mask_target_generator = mask_target_generator
         self.detection_generator = detection_generator
-        # {level: [M_l, 4]} anchor boxes of the fixed input size, in the RPN head's output order.
-        self._anchors = {level: tf.constant(boxes, tf.float32) for level, boxes in anchors.items()}
+        self.anchor_generator = anchor_generator
+        # (H, W) of the training input (and of evaluation's unless batches are padded to their own size).
+        self.image_size = tuple(int(v) for v in image_size)
         self.loss_weights = dict(loss_weights)
         self.l2_weight_decay = l2_weight_decay
         self.jit_dense = jit_dense
@@ -67,9 +68,16 @@ class MaskRCNN(TracksSublayers, keras.Model):
 
     @property
     def anchors(self):
-        """{level: [H_l*W_l*A, 4] float32 NumPy} the anchor boxes the RPN head's outputs refer to, row-major
-        over (y, x, anchor): the training input labels these (RPN targets), so both use the same boxes."""
-        return {level: boxes.numpy() for level, boxes in self._anchors.items()}
+        """{level: [H_l*W_l*A, 4] float32 NumPy} the anchor boxes the RPN head's outputs refer to on an input
+        of `image_size`, row-major over (y, x, anchor): the training input labels these (RPN targets), so
+        both use the same boxes."""
+        return self.anchor_generator.at(self.image_size)
+
+    def _batch_anchors(self, images, features):
+        """{level: [M_l, 4]} the anchors of this batch: its padded size and its feature grids, static when the
+        shapes are (then constants, equal to `anchors` at `image_size`)."""
+        return self.anchor_generator(_spatial_shape(images),
+                                     {level: _spatial_shape(f) for level, f in features.items()})
 
     def _dense(self, layer, inputs, training):
         """layer(inputs, training=training); under jit_dense XLA-compiled once the layer is built.
@@ -106,8 +114,8 @@ class MaskRCNN(TracksSublayers, keras.Model):
         outputs = self._dense(self.rpn_head, features, training)
         # Proposals and sampled RoIs are treated as constants: no gradient flows into box coordinates.
         proposals = self.proposal_generator(
-            _stop_gradient(outputs["rpn_scores"]), _stop_gradient(outputs["rpn_boxes"]), self._anchors, image_hw,
-            training=True,
+            _stop_gradient(outputs["rpn_scores"]), _stop_gradient(outputs["rpn_boxes"]),
+            self._batch_anchors(inputs["images"], features), image_hw, training=True,
         )
         sample = self.roi_sampler(tf.stop_gradient(proposals["rois"]), inputs["gt_boxes"], inputs["gt_classes"])
         roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
@@ -170,7 +178,8 @@ class MaskRCNN(TracksSublayers, keras.Model):
         image_hw = image_info[:, :2]
         features = self._features(inputs["images"], training=False)
         rpn = self._dense(self.rpn_head, features, False)
-        proposals = self.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"], self._anchors, image_hw, training=False)
+        proposals = self.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"],
+                                            self._batch_anchors(inputs["images"], features), image_hw, training=False)
         roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
         heads = self._dense(self.box_head, self.box_roi_aligner(roi_maps, proposals["rois"]), False)
         detections = self.detection_generator(heads["class_logits"], heads["box_deltas"], proposals["rois"], image_hw)
@@ -179,7 +188,8 @@ class MaskRCNN(TracksSublayers, keras.Model):
             mask_features = self.mask_roi_aligner(roi_maps, boxes)
             mask_logits = self._dense(self.mask_head, (mask_features, detections["detection_classes"]), False)
             detections["detection_masks"] = tf.sigmoid(mask_logits)
-        detections["detection_boxes"] = boxes * image_info[:, 2, None, None]
+        # Per axis, original / resized size: the resize stretched each axis by its own rounded ratio.
+        detections["detection_boxes"] = boxes * tf.tile(image_info[:, None, 3:5] / image_info[:, None, 0:2], [1, 1, 2])
         return detections
 
     def compute_gradients(self, data, loss_multiplier=1.0):
@@ -205,6 +215,12 @@ class MaskRCNN(TracksSublayers, keras.Model):
         detections = self.detect(data)
         detections.update({key: data[key] for key in ("image_info", "source_ids") if key in data})
         return detections
+
+
+def _spatial_shape(tensor):
+    """(H, W) ints of a [B, H, W, C] tensor when static, else its int32 [2] dynamic shape."""
+    static = tensor.shape[1:3]
+    return tuple(static) if static.is_fully_defined() else tf.shape(tensor)[1:3]
 
 
 def _stop_gradient(tensors):

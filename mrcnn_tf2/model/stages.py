@@ -8,8 +8,48 @@ the factory decides (`factory.choose_ops`).
 Glossary: B batch, P proposals, S sampled RoIs, F foreground RoI slots, D detections, K classes.
 """
 
+import tensorflow as tf
+
+from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import fused as fused_ops
 from mrcnn_tf2.ops import masks, postprocess, roi_align, roi_ops, sampling
+
+
+class AnchorGenerator:
+    """The anchors of a padded input: each level's base anchors over its feature grid (`grid_anchors`).
+
+    The stride of a level is the padded input's size // the level's grid size, as torchvision computes it:
+    2**level when the size is divisible by it; otherwise the coarse levels' grids round up (a stride-2 conv
+    or pool of an odd size) and their stride comes out below 2**level (800 px over a 13-cell P6: 61).
+    """
+
+    def __init__(self, min_level, max_level, num_scales, aspect_ratios, anchor_scale, offset, round_corners):
+        self.params = dict(min_level=min_level, max_level=max_level, num_scales=num_scales,
+                           aspect_ratios=aspect_ratios, anchor_scale=anchor_scale, offset=offset,
+                           round_corners=round_corners)
+        self.offset = offset
+        self.base = {level: anchor_ops.base_anchors(level, num_scales, aspect_ratios, anchor_scale, round_corners)
+                     for level in range(min_level, max_level + 1)}
+
+    def at(self, image_size):
+        """{level: [H_l*W_l*A, 4] float32 NumPy} the anchors of a fixed input size (`generate_anchors`)."""
+        return anchor_ops.generate_anchors(image_size=image_size, **self.params)
+
+    def __call__(self, image_hw, grids):
+        """(H, W) of the padded input, {level: (H_l, W_l)} -> {level: [H_l*W_l*A, 4] float32}.
+
+        Python ints give constant anchors; int32 [2] tensors (dynamic sizes) give them computed in the graph.
+        """
+        return {level: anchor_ops.grid_anchors(self.base[level], grids[level],
+                                               _floordiv(image_hw, grids[level]), self.offset)
+                for level in self.base}
+
+
+def _floordiv(numerator, denominator):
+    """Element-wise // of two pairs, each (int, int) or an int32 [2] tensor."""
+    if isinstance(numerator, tuple) and isinstance(denominator, tuple):
+        return tuple(n // d for n, d in zip(numerator, denominator))
+    return tf.math.floordiv(tf.cast(numerator, tf.int32), tf.cast(denominator, tf.int32))
 
 
 class ProposalGenerator:
@@ -46,17 +86,18 @@ class RoISampler:
 
 
 class RoIAligner:
-    """Multilevel RoIAlign at a fixed output size (`multilevel_roi_align`)."""
+    """Multilevel RoIAlign at a fixed output size (`multilevel_roi_align`); `aligned` is torchvision's."""
 
-    def __init__(self, output_size, sampling_ratio=2, fused=False):
+    def __init__(self, output_size, sampling_ratio=2, aligned=True, fused=False):
         self.output_size = output_size
         self.sampling_ratio = sampling_ratio
+        self.aligned = aligned
         self.fused = fused
         self._align = fused_ops.multilevel_roi_align if fused else roi_align.multilevel_roi_align
 
     def __call__(self, features, boxes):
         """{level: [B,H_l,W_l,C]}, [B,N,4] -> [B,N,output_size,output_size,C]."""
-        return self._align(features, boxes, self.output_size, self.sampling_ratio)
+        return self._align(features, boxes, self.output_size, self.sampling_ratio, self.aligned)
 
 
 class MaskTargetGenerator:
@@ -75,8 +116,9 @@ class MaskTargetGenerator:
 class DetectionGenerator:
     """Box head outputs -> final detections per image (`generate_detections`)."""
 
-    def __init__(self, max_detections, nms_threshold, bbox_reg_weights):
+    def __init__(self, max_detections, nms_threshold, score_threshold, min_box_size, bbox_reg_weights):
         self.params = dict(max_detections=max_detections, nms_threshold=nms_threshold,
+                           score_threshold=score_threshold, min_box_size=min_box_size,
                            bbox_reg_weights=bbox_reg_weights)
 
     def __call__(self, class_logits, box_deltas, rois, image_hw):

@@ -39,13 +39,51 @@ def feature_size(image_size, level):
     return image_size[0] // 2 ** level, image_size[1] // 2 ** level
 
 
-def generate_anchors(min_level, max_level, num_scales, aspect_ratios, anchor_scale, image_size):
-    """Anchor boxes of every FPN level.
+def base_anchors(level, num_scales, aspect_ratios, anchor_scale, round_corners=False):
+    """The A anchors of one level centred at (0, 0): [A, 4] float32 NumPy [ymin, xmin, ymax, xmax] pixels.
 
-    On level l the stride is 2**l; the anchor of octave scale s (0 <= s < num_scales) and aspect ratio
-    (ar_x, ar_y) has base size ``anchor_scale * 2**l * 2**(s / num_scales)``, width ``size * ar_x`` and
-    height ``size * ar_y``, and is centred at ``((i + 0.5) * stride, (j + 0.5) * stride)`` for grid row i
-    and column j. Anchors crossing the image border are kept (NVIDIA's labeler allows any border).
+    The anchor of octave scale s (0 <= s < num_scales) and aspect ratio (ar_x, ar_y) has base size
+    ``anchor_scale * 2**level * 2**(s / num_scales)``, width ``size * ar_x`` and height ``size * ar_y``;
+    index ``a = s * len(aspect_ratios) + r``. ``round_corners`` rounds each corner to a whole pixel (half to
+    even), as torchvision's AnchorGenerator does with its base anchors.
+    """
+    sizes = [anchor_scale * 2.0 ** level * 2.0 ** (s / num_scales) for s in range(num_scales)]
+    half = np.array([(size * ar_y / 2.0, size * ar_x / 2.0) for size in sizes for ar_x, ar_y in aspect_ratios])
+    corners = np.concatenate([-half, half], axis=1)  # [A, 4]: -h/2, -w/2, h/2, w/2
+    if round_corners:
+        corners = np.round(corners)
+    return corners.astype(np.float32)
+
+
+def grid_anchors(base, grid_hw, stride_hw, offset):
+    """One level's anchors: ``base`` repeated over the feature grid, row-major over (y, x, anchor).
+
+    Works on static and dynamic sizes (the model computes the anchors of each batch's padded size).
+
+    Args:
+      base: [A, 4] float32 anchors centred at (0, 0) (``base_anchors``).
+      grid_hw: (H_l, W_l) ints or an int32 [2] tensor, the level's feature grid.
+      stride_hw: (stride_y, stride_x) ints or an int32 [2] tensor, pixels between grid rows and columns.
+      offset: float, anchor (i, j) is centred at ((i + offset) * stride_y, (j + offset) * stride_x).
+
+    Returns:
+      [H_l*W_l*A, 4] float32 tensor of boxes [ymin, xmin, ymax, xmax].
+    """
+    grid_hw = tf.cast(grid_hw, tf.int32)
+    stride = tf.cast(stride_hw, tf.float32)
+    yc = (tf.range(grid_hw[0], dtype=tf.float32) + offset) * stride[0]
+    xc = (tf.range(grid_hw[1], dtype=tf.float32) + offset) * stride[1]
+    yc, xc = tf.meshgrid(yc, xc, indexing="ij")  # [H, W] each
+    centres = tf.stack([yc, xc, yc, xc], axis=-1)[:, :, None, :]  # [H, W, 1, 4]
+    return tf.reshape(centres + tf.constant(base, tf.float32), [-1, 4])
+
+
+def generate_anchors(min_level, max_level, num_scales, aspect_ratios, anchor_scale, image_size, offset=0.5,
+                     round_corners=False):
+    """Anchor boxes of every FPN level for a fixed input size (``base_anchors`` over ``grid_anchors``).
+
+    On level l the stride is 2**l and the grid ``feature_size(image_size, l)``. Anchors crossing the image
+    border are kept (NVIDIA's labeler allows any border).
 
     Args:
       min_level, max_level: int, first and last FPN level (inclusive).
@@ -53,6 +91,8 @@ def generate_anchors(min_level, max_level, num_scales, aspect_ratios, anchor_sca
       aspect_ratios: sequence of (x, y) multipliers, e.g. ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4)).
       anchor_scale: float, base anchor size in units of the level's stride.
       image_size: (height, width) of the padded input in pixels; both divisible by 2**max_level.
+      offset: float, anchors are centred at (i + offset) * stride (0.5: cell centres; torchvision: 0).
+      round_corners: round the base anchors' corners to whole pixels (torchvision).
 
     Returns:
       dict level -> [H_l*W_l*A, 4] float32 NumPy array of boxes [ymin, xmin, ymax, xmax], ordered
@@ -67,26 +107,9 @@ def generate_anchors(min_level, max_level, num_scales, aspect_ratios, anchor_sca
     if height % 2 ** max_level or width % 2 ** max_level:
         raise ValueError(
             f"image_size {tuple(image_size)} must be divisible by the largest stride 2**{max_level}.")
-    sizes = [anchor_scale * 2.0 ** (s / num_scales) for s in range(num_scales)]
-    # [A, 2] half-heights and half-widths in units of the stride; anchor index a = s * R + r.
-    half_hw = np.array([(size * ar_y / 2.0, size * ar_x / 2.0)
-                        for size in sizes for ar_x, ar_y in aspect_ratios])
-    anchors = {}
-    for level in range(min_level, max_level + 1):
-        stride = 2.0 ** level
-        feat_h, feat_w = feature_size((height, width), level)
-        yc = (np.arange(feat_h) + 0.5) * stride
-        xc = (np.arange(feat_w) + 0.5) * stride
-        half_h = half_hw[:, 0] * stride
-        half_w = half_hw[:, 1] * stride
-        # [H, W, A] each, broadcast from [H, 1, 1], [1, W, 1] and [A].
-        ymin = yc[:, None, None] - half_h
-        ymax = yc[:, None, None] + half_h
-        xmin = xc[None, :, None] - half_w
-        xmax = xc[None, :, None] + half_w
-        boxes = np.stack(np.broadcast_arrays(ymin, xmin, ymax, xmax), axis=-1)  # [H, W, A, 4]
-        anchors[level] = boxes.reshape(-1, 4).astype(np.float32)
-    return anchors
+    return {level: grid_anchors(base_anchors(level, num_scales, aspect_ratios, anchor_scale, round_corners),
+                                feature_size((height, width), level), (2 ** level, 2 ** level), offset).numpy()
+            for level in range(min_level, max_level + 1)}
 
 
 def _sample(candidates, keys, max_count, limit=None):
@@ -128,10 +151,12 @@ def _check_anchor_grid(boxes, level, grid, image_size):
     values = tf.get_static_value(boxes)
     if values is not None:
         last = values[-1]
-        centre = ((last[0] + last[2]) / 2, (last[1] + last[3]) / 2)
-        expected = ((feat_h - 0.5) * 2 ** level, (feat_w - 0.5) * 2 ** level)
-        if not np.allclose(centre, expected, atol=1e-3 * 2 ** level):
-            raise ValueError(f"{message}: last anchor centred at {centre}, expected {expected}.")
+        centre = np.array(((last[0] + last[2]) / 2, (last[1] + last[3]) / 2))
+        # The last anchor sits in the last grid cell, wherever in it the anchor offset puts it.
+        low = (np.array(grid) - 1) * 2 ** level
+        if np.any(centre < low - 1e-3) or np.any(centre >= low + 2 ** level):
+            raise ValueError(f"{message}: last anchor centred at {tuple(centre)}, outside the last cell "
+                             f"[{low[0]}, {low[0] + 2 ** level}) x [{low[1]}, {low[1] + 2 ** level}).")
 
 
 def _grid_iou(level_anchors, feat_h, feat_w, gt_boxes):

@@ -115,18 +115,18 @@ def _reset_for_tests():
 
 # -- RoIAlign ---------------------------------------------------------------------------------------------
 
-def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
+def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2, aligned=True):
     """Fused ``roi_align.multilevel_roi_align``: same arguments, result and gradient (see its docstring).
 
     Args:
       features: {level: [B, H_l, W_l, C]} consecutive levels, one float dtype.
       boxes: [B, N, 4] float32 [ymin, xmin, ymax, xmax] in input pixels; padded rows all -1.
-      output_size: int R; sampling_ratio: int s.
+      output_size: int R; sampling_ratio: int s; aligned: bool, torchvision's convention.
 
     Returns:
       [B, N, R, R, C] in the features' dtype; differentiable w.r.t. the features only.
     """
-    levels, features, boxes = roi_align.check_arguments(features, boxes, output_size, sampling_ratio)
+    levels, features, boxes = roi_align.check_arguments(features, boxes, output_size, sampling_ratio, aligned)
     dtype = features[levels[0]].dtype
     # The twin's own level rule, so that every box reads the same level in both implementations.
     level_index = roi_align.assign_levels(boxes, levels[0], levels[-1]) - levels[0]
@@ -134,7 +134,7 @@ def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
     # features' dtype), and the casts' gradients bring the float32 feature gradient back to the dtype.
     pooled = load_library().mrcnn_roi_align(
         [tf.cast(features[level], tf.float32) for level in levels], boxes, level_index,
-        min_level=levels[0], output_size=output_size, sampling_ratio=sampling_ratio)
+        min_level=levels[0], output_size=output_size, sampling_ratio=sampling_ratio, aligned=aligned)
     return tf.cast(pooled, dtype)
 
 
@@ -147,7 +147,7 @@ def _roi_align_grad(op, grad):
     sizes = tf.stack([tf.shape(feature)[1:3] for feature in features])  # [L, 2]
     grads = load_library().mrcnn_roi_align_grad(
         grad, boxes, levels, sizes, num_levels=num_levels, min_level=op.get_attr("min_level"),
-        sampling_ratio=op.get_attr("sampling_ratio"))
+        sampling_ratio=op.get_attr("sampling_ratio"), aligned=op.get_attr("aligned"))
     for feature_grad, feature in zip(grads, features):
         feature_grad.set_shape(feature.shape)
     return list(grads) + [None, None]

@@ -4,7 +4,8 @@ COCO run-length encoding (pycocotools), which evaluation and inference write.
 Box format: ``[ymin, xmin, ymax, xmax]`` float32 pixels with continuous coordinates (width = xmax - xmin);
 padded boxes are all -1.
 
-Pixel-centre convention, shared by every mask here (and by ``data.pipeline.crop_instance_masks``): an
+Pixel-centre convention, shared by every mask here (and by ``data.pipeline.crop_instance_masks``) except
+``paste_masks_torchvision``'s, which reproduces torchvision's pasting (see that function): an
 ``M x M`` mask attached to a box holds, at cell ``(i, j)``, the value at image point
 ``(ymin + (i + 0.5) * h / M, xmin + (j + 0.5) * w / M)``. Image pixel ``(py, px)`` has its centre at
 ``(py + 0.5, px + 0.5)``. Resampling a box's mask is bilinear between cell centres, constant (the edge
@@ -197,6 +198,156 @@ def paste_masks(masks, boxes, image_hw, threshold=None):
     return out
 
 
+def _fma32(a, b, c):
+    """float32 ``a * b + c`` rounded once, as the fused multiply-add a compiler makes of it (NumPy has none).
+
+    The float32 product is exact in float64, so only the float64 sum and its rounding to float32 round. That
+    double rounding can differ from one rounding only where the float64 sum is exactly halfway between two
+    float32 (or is below float32's normal range); there the sum is rounded to odd instead (nudged one
+    float64 step toward the exact value if inexact and even), after which rounding to float32 is exact
+    (float64 has more than the 24 + 2 bits that round-to-odd needs).
+
+    Args:
+      a, b, c: float32 arrays (broadcastable).
+
+    Returns:
+      float32 array.
+    """
+    product = a.astype(np.float64) * b
+    total = product + c
+    result = total.astype(np.float32)
+    bits = total.view(np.int64)
+    # Low 29 of the 52 fraction bits 100...0: a float32 tie; biased exponent below 1023 - 126: float32-subnormal.
+    suspect = ((bits & 0x1FFFFFFF) == 0x10000000) | ((bits & 0x7FF0000000000000) < (897 << 52))
+    suspect = np.flatnonzero(suspect & (total != 0))  # a float64 sum that rounds to 0 is exactly 0
+    if suspect.size:
+        product, total = product.flat[suspect], total.flat[suspect]
+        addend = np.broadcast_to(c, result.shape).flat[suspect].astype(np.float64)
+        # Knuth's TwoSum: total + error == product + addend exactly.
+        back = total - product
+        error = (product - (total - back)) + (addend - back)
+        nudge = (error != 0) & ((total.view(np.int64) & 1) == 0)
+        total = np.where(nudge, np.nextafter(total, np.copysign(np.inf, error)), total)
+        result.flat[suspect] = total.astype(np.float32)
+    return result
+
+
+def _aten_linear_axis(input_size, output_size, start, stop):
+    """ATen's bilinear (align_corners=False) taps along one axis for output cells start .. stop - 1.
+
+    Float32 as ATen computes them: scale input / output; source ``scale * (i + 0.5) - 0.5`` rounded once
+    (ATen's multiply-add is fused; the float64 product is exact and, where the source is not negative, so
+    is the float64 difference) and clamped at 0; lower cell its floor (at most input - 1), upper cell the
+    next one (the same at the last cell), weights ``1 - f`` and ``f`` of the fraction f.
+
+    Returns:
+      (low, high, w_low, w_high): [stop - start] intp cells and float32 weights.
+    """
+    scale = np.float32(input_size) / np.float32(output_size)
+    centres = np.arange(start, stop, dtype=np.float64) + 0.5
+    source = np.maximum(np.float64(scale) * centres - 0.5, 0.0).astype(np.float32)
+    low = np.minimum(source.astype(np.intp), input_size - 1)
+    frac = np.clip(source - low.astype(np.float32), np.float32(0), np.float32(1))
+    return low, low + (low < input_size - 1), np.float32(1) - frac, frac
+
+
+def _aten_bilinear_window(mask, out_h, out_w, rows, cols):
+    """Window ``[rows[0]:rows[1], cols[0]:cols[1]]`` of F.interpolate(mask, (out_h, out_w), "bilinear",
+    align_corners=False) on the CPU (AVX2 / AVX-512), bit for bit, for a float32 [S, S] mask (one channel).
+
+    ATen picks one of two kernels by the output size, with different float operations: outputs with
+    out_h + out_w <= 128 go to its channels-last kernel (the four products of the corner weights summed in
+    one fused chain), larger ones to its generic separable kernel (along x, then along y). Only the window
+    is computed, so the cost follows the window's area.
+
+    Returns:
+      [rows[1] - rows[0], cols[1] - cols[0]] float32.
+    """
+    size = mask.shape[0]
+    y_low, y_high, y_w_low, y_w_high = _aten_linear_axis(size, out_h, *rows)
+    x_low, x_high, x_w_low, x_w_high = _aten_linear_axis(size, out_w, *cols)
+    y_w_low, y_w_high = y_w_low[:, None], y_w_high[:, None]
+    if out_h + out_w <= 128:
+        low_row, high_row = mask[y_low], mask[y_high]
+        chain = _fma32(low_row[:, x_low], y_w_low * x_w_low, low_row[:, x_high] * (y_w_low * x_w_high))
+        chain = _fma32(high_row[:, x_low], y_w_high * x_w_low, chain)
+        return _fma32(high_row[:, x_high], y_w_high * x_w_high, chain)
+    along_x = _fma32(mask[:, x_low], x_w_low, mask[:, x_high] * x_w_high)  # [S, cols]
+    return _fma32(along_x[y_low], y_w_low, along_x[y_high] * y_w_high)
+
+
+def _paste_torchvision(masks, boxes, height, width, threshold, transposed):
+    """``paste_masks_torchvision`` on arguments ``check_paste_arguments`` has checked; ``transposed`` returns
+    [D, w, h] (each pasted mask transposed, the layout ``encode_pasted_masks`` needs) instead of [D, h, w]."""
+    if not np.isfinite(boxes).all():
+        raise ValueError("boxes must be finite.")
+    mask_size = masks.shape[1]
+    # torchvision pads each mask with a zero cell per side and widens its box to match, about its centre, by
+    # the float32 factor (R + 2) / R, in float32; then truncates the corners toward zero (so -0.7 -> 0, not
+    # -1) into integer pixels of an inclusive box, covering x2 - x1 + 1 columns (the "+1" of the legacy
+    # integer-box convention, even though the float box is continuous).
+    padded = np.pad(masks, ((0, 0), (1, 1), (1, 1)))
+    widen = np.float32((mask_size + 2) / mask_size)
+    ymin, xmin, ymax, xmax = boxes.T
+    half_h = (ymax - ymin) * np.float32(0.5) * widen
+    half_w = (xmax - xmin) * np.float32(0.5) * widen
+    centre_y = (ymax + ymin) * np.float32(0.5)
+    centre_x = (xmax + xmin) * np.float32(0.5)
+    corners = np.stack([centre_y - half_h, centre_x - half_w, centre_y + half_h, centre_x + half_w], axis=1)
+    corners = corners.astype(np.int64).tolist()
+
+    shape = (masks.shape[0], width, height) if transposed else (masks.shape[0], height, width)
+    out = np.zeros(shape, np.float32 if threshold is None else np.uint8)
+    for d, (y1, x1, y2, x2) in enumerate(corners):
+        # The pasted window, clipped to the image. torchvision sizes the resized mask max(y2 - y1 + 1, 1):
+        # the floor of 1 only matters for an inverted box (y2 < y1), whose window is empty anyway; boxes
+        # without a pixel in the image (where torchvision's slicing raises or pastes nothing) paste nothing.
+        top, bottom = max(y1, 0), min(y2 + 1, height)
+        left, right = max(x1, 0), min(x2 + 1, width)
+        if bottom <= top or right <= left:
+            continue
+        region = _aten_bilinear_window(padded[d], y2 - y1 + 1, x2 - x1 + 1,
+                                       (top - y1, bottom - y1), (left - x1, right - x1))
+        if threshold is not None:
+            region = region > threshold
+        if transposed:
+            out[d, left:right, top:bottom] = region.T
+        else:
+            out[d, top:bottom, left:right] = region
+    return out
+
+
+def paste_masks_torchvision(masks, boxes, image_hw, threshold=None):
+    """Paste box-aligned mask predictions into full-image masks as torchvision's Mask R-CNN does
+    (``roi_heads.paste_masks_in_image``); NumPy, one image. Bit for bit against PyTorch's AVX2 and AVX-512
+    CPU kernels; its baseline kernels (no fused multiply-add) differ in the last bit; CUDA's kernel is not
+    reproduced.
+
+    Each [R, R] mask is padded with a zero cell per side to [R + 2, R + 2] and its box widened by
+    (R + 2) / R about its centre; the widened box's corners are truncated toward zero to integer pixels
+    (x1, y1, x2, y2) of an inclusive box; the padded mask is resized bilinearly (align_corners=False, no
+    antialiasing) to (y2 - y1 + 1) x (x2 - x1 + 1) pixels and pasted at (y1, x1), clipped to the image.
+    Unlike ``paste_masks`` (pixel-centre convention) this shifts a mask by up to a pixel and fades its
+    edges into the zero padding. Only each box's window in the image is resampled, so the cost grows
+    with the boxes' area, not with D * h * w.
+
+    Args:
+      masks: [D, R, R] float32 mask probabilities relative to their box.
+      boxes: [D, 4] float32 finite boxes [ymin, xmin, ymax, xmax] in pixels of the target image (torchvision
+        pastes with the boxes mapped to the original image, in [x1, y1, x2, y2] order); they may reach past
+        the image (clipped) or miss it (empty mask).
+      image_hw: (h, w) ints, size of the target image.
+      threshold: None, or a float: then return ``probability > threshold`` (torchvision's users threshold
+        its float masks with ``> 0.5``).
+
+    Returns:
+      [D, h, w] float32 probabilities, or uint8 in {0, 1} when ``threshold`` is given; 0 outside each
+      widened box.
+    """
+    masks, boxes, height, width = check_paste_arguments(masks, boxes, image_hw, threshold)
+    return _paste_torchvision(masks, boxes, height, width, threshold, transposed=False)
+
+
 def check_encode_arguments(masks, boxes, image_hw, threshold):
     """Validate ``encode_pasted_masks``' arguments (shared with its fused twin): ``paste_masks``' checks, and
     a threshold is required.
@@ -209,24 +360,36 @@ def check_encode_arguments(masks, boxes, image_hw, threshold):
     return check_paste_arguments(masks, boxes, image_hw, threshold)
 
 
-def encode_pasted_masks(masks, boxes, image_hw, threshold):
+# How ``encode_pasted_masks`` pastes: "exact" as ``paste_masks``, "torchvision" as ``paste_masks_torchvision``.
+PASTE_METHODS = ("exact", "torchvision")
+
+
+def encode_pasted_masks(masks, boxes, image_hw, threshold, paste="exact"):
     """COCO RLE of each mask pasted into the image and thresholded (NumPy and pycocotools).
 
-    Pasting the transposed problem (x for y) gives [D, w, h] in C order, which is the [h, w, D] Fortran
-    layout pycocotools encodes: no transposing copy of the D full-image masks. The fused twin,
-    ``ops.fused.encode_pasted_masks``, gives the same RLE without the full-image masks.
+    Both pastes write [D, w, h] in C order, which is the [h, w, D] Fortran layout pycocotools encodes: no
+    transposing copy of the D full-image masks ("exact" pastes the transposed problem, x for y; "torchvision"
+    transposes each box's window, since its float operations are not symmetric in x and y). The fused twin,
+    ``ops.fused.encode_pasted_masks``, gives the "exact" RLE without the full-image masks.
 
     Args:
       masks: [D, R, R] float32 probabilities relative to their box (``paste_masks``).
       boxes: [D, 4] float32 [ymin, xmin, ymax, xmax] pixels, unclipped (the frames the masks were
         predicted in); pasting clips them to the image.
-      image_hw: (h, w) ints; threshold: float, foreground where probability >= threshold.
+      image_hw: (h, w) ints; threshold: float.
+      paste: one of PASTE_METHODS: "exact", ``paste_masks`` (foreground where probability >= threshold),
+        or "torchvision", ``paste_masks_torchvision`` (foreground where probability > threshold).
 
     Returns:
       list of D dicts {'size': [h, w], 'counts': bytes}, pycocotools' compressed RLE.
     """
+    if paste not in PASTE_METHODS:
+        raise ValueError(f"paste must be one of {PASTE_METHODS}, got {paste!r}.")
     masks, boxes, height, width = check_encode_arguments(masks, boxes, image_hw, threshold)
-    pasted = paste_masks(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold)
+    if paste == "torchvision":
+        pasted = _paste_torchvision(masks, boxes, height, width, threshold, transposed=True)
+    else:
+        pasted = paste_masks(masks.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], (width, height), threshold)
     return mask_utils.encode(pasted.transpose(2, 1, 0))
 
 

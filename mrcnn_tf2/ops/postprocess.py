@@ -5,8 +5,9 @@ continuous coordinates (width = xmax - xmin). Padded RoIs (from ``roi_ops``) are
 yield a detection.
 
 Per image and foreground class c (class 0 is background): softmax score of c for every RoI, RoI
-decoded with c's deltas and clipped to the valid image, candidates dropped when the score is below
-``score_threshold``, the RoI is padding or the clipped box is empty; then greedy NMS within the class
+decoded with c's deltas and clipped to the valid image, candidates dropped when the score is not above
+``score_threshold``, the RoI is padding or the clipped box is empty or has a side below ``min_box_size``
+(torchvision: score > 0.05, sides >= 1e-2); then greedy NMS within the class
 (a box is suppressed by a higher-scored kept box when their IoU > ``nms_threshold``) and finally the
 ``max_detections`` best over all classes, by descending score.
 
@@ -25,7 +26,7 @@ _NMS_SCORE_THRESHOLD = -0.5
 
 
 def _check_arguments(class_logits, box_deltas, rois, image_hw, max_detections, nms_threshold,
-                     score_threshold, pre_nms_topn_per_class, bbox_reg_weights):
+                     score_threshold, min_box_size, pre_nms_topn_per_class, bbox_reg_weights):
     """Raise ValueError on malformed shapes or parameters of ``generate_detections``."""
     for name, tensor, rank in (("class_logits", class_logits, 3), ("box_deltas", box_deltas, 4),
                                ("rois", rois, 3), ("image_hw", image_hw, 2)):
@@ -51,12 +52,14 @@ def _check_arguments(class_logits, box_deltas, rois, image_hw, max_detections, n
         raise ValueError(f"nms_threshold must be in [0, 1], got {nms_threshold}.")
     if not 0.0 <= score_threshold <= 1.0:
         raise ValueError(f"score_threshold must be in [0, 1], got {score_threshold}.")
+    if not min_box_size >= 0.0:
+        raise ValueError(f"min_box_size must be >= 0, got {min_box_size}.")
     if len(bbox_reg_weights) != 4 or min(bbox_reg_weights) <= 0:
         raise ValueError(f"bbox_reg_weights must be 4 positive floats, got {bbox_reg_weights!r}.")
 
 
 def generate_detections(class_logits, box_deltas, rois, image_hw, max_detections=100, nms_threshold=0.5,
-                        score_threshold=0.05, pre_nms_topn_per_class=1000,
+                        score_threshold=0.05, min_box_size=0.0, pre_nms_topn_per_class=1000,
                         bbox_reg_weights=(10.0, 10.0, 5.0, 5.0)):
     """Final detections per image from the box head (rules in the module docstring).
 
@@ -68,7 +71,8 @@ def generate_detections(class_logits, box_deltas, rois, image_hw, max_detections
       image_hw: [B, 2] float valid (unpadded) image height and width; boxes are clipped to it.
       max_detections: int D, detections returned per image.
       nms_threshold: float, IoU above which a lower-scored box of the same class is suppressed.
-      score_threshold: float, smallest class score a detection may have.
+      score_threshold: float, a detection's class score must exceed it.
+      min_box_size: float, smallest height and width (pixels of the input) a detection may have.
       pre_nms_topn_per_class: int, only the best this many RoIs of each class (by score) enter NMS.
       bbox_reg_weights: 4 floats (wy, wx, wh, ww) the deltas were multiplied by.
 
@@ -87,14 +91,15 @@ def generate_detections(class_logits, box_deltas, rois, image_hw, max_detections
     rois = tf.cast(tf.convert_to_tensor(rois), tf.float32)
     image_hw = tf.cast(tf.convert_to_tensor(image_hw), tf.float32)
     _check_arguments(class_logits, box_deltas, rois, image_hw, max_detections, nms_threshold,
-                     score_threshold, pre_nms_topn_per_class, bbox_reg_weights)
+                     score_threshold, min_box_size, pre_nms_topn_per_class, bbox_reg_weights)
 
     # Foreground classes only: column j below is class j + 1.
     scores = tf.nn.softmax(class_logits, axis=-1)[:, :, 1:]  # [B, N, K-1]
     boxes = box_ops.decode_boxes(box_deltas[:, :, 1:], rois[:, :, None, :], bbox_reg_weights)
     boxes = box_ops.clip_boxes(boxes, image_hw[:, None, None, :])  # [B, N, K-1, 4]
-    non_empty = tf.logical_and(boxes[..., 2] > boxes[..., 0], boxes[..., 3] > boxes[..., 1])
-    keep = (scores >= score_threshold) & non_empty & ~box_ops.is_padding(rois)[:, :, None]
+    shortest_side = tf.minimum(boxes[..., 2] - boxes[..., 0], boxes[..., 3] - boxes[..., 1])
+    large_enough = (shortest_side > 0.0) & (shortest_side >= min_box_size)
+    keep = (scores > score_threshold) & large_enough & ~box_ops.is_padding(rois)[:, :, None]
     scores = tf.where(keep, scores, _DROPPED_SCORE)
 
     num_rois = class_logits.shape[1]

@@ -3,14 +3,23 @@
 Box format: ``[ymin, xmin, ymax, xmax]`` float32, in pixels of the resized, padded input image, with
 continuous coordinates (width = xmax - xmin). Padded boxes are all -1.
 
-Sampling follows torchvision's ``roi_align(..., aligned=True)`` exactly:
+Sampling follows torchvision's ``roi_align(..., aligned=aligned)`` exactly, for either value of ``aligned``:
 
-* a box on level ``l`` is scaled by ``1 / 2**l`` and shifted by -0.5, so that feature cell ``(y, x)``
-  has its centre at continuous coordinate ``(y, x)``;
+* a box on level ``l`` is scaled by ``1 / 2**l``;
+* ``aligned=True`` (the default; Detectron2's convention) then shifts it by -0.5, so that feature cell
+  ``(y, x)`` has its centre at continuous coordinate ``(y, x)``;
+* ``aligned=False`` (the original Mask R-CNN's) does not shift it, so every sample reads the features half a
+  cell off the box's true geometry; it also forces the box's height and width to at least 1 cell, so that
+  tiny boxes spread their samples over a cell;
 * the box is split into ``output_size x output_size`` bins; each bin averages
   ``sampling_ratio x sampling_ratio`` bilinear samples at the centres of a regular sub-grid;
 * a sample outside ``[-1, H] x [-1, W]`` contributes 0; coordinates in ``[-1, 0)`` are clamped to 0 and
   those in ``(H - 1, H]`` to ``H - 1`` (likewise for x).
+
+Both conventions exist because weights are tied to the one they were trained with: ``aligned=True`` is the
+correct half-pixel geometry, but torchvision's Mask R-CNN weights were trained with ``aligned=False``
+(``torchvision.ops.MultiScaleRoIAlign`` uses it), and running them with the other convention shifts every
+crop by half a cell.
 
 Each box reads from one level (FPN paper, eq. 1): ``floor(4 + log2(sqrt(h * w) / 224))``, clipped to the
 levels given. Arithmetic is float32 whatever the features' dtype; the result has the features' dtype.
@@ -63,22 +72,27 @@ def assign_levels(boxes, min_level, max_level):
     return tf.cast(tf.clip_by_value(level, float(min_level), float(max_level)), tf.int32)
 
 
-def _axis_samples(start, length, size, num_samples):
-    """Bilinear taps of regularly spaced samples along one axis, torchvision ``aligned=True`` rules.
+def _axis_samples(start, length, size, output_size, sampling_ratio):
+    """Bilinear taps of regularly spaced samples along one axis, torchvision's rules.
 
     Args:
-      start: [B, N] float32 first edge of the box, in cells of its level (already shifted by -0.5).
-      length: [B, N] float32 box extent in cells.
+      start: [B, N] float32 first edge of the box, in cells of its level (shifted by -0.5 if aligned).
+      length: [B, N] float32 box extent in cells (at least 1 unless aligned).
       size: [B, N] float32 the level's extent along this axis (H_l or W_l).
-      num_samples: int S, samples along the axis.
+      output_size, sampling_ratio: ints R and s; S = R * s samples along the axis.
 
     Returns:
       (indices, weights): [B, N, 2S] int32 cell indices in [0, size - 1] and [B, N, 2S] float32 weights;
       entry 2m is sample m's lower tap and 2m + 1 its upper tap. Weights are 0 for samples outside
       [-1, size].
     """
-    steps = (tf.range(num_samples, dtype=tf.float32) + 0.5) / num_samples
-    coords = start[..., None] + steps * length[..., None]  # [B, N, S]
+    num_samples = output_size * sampling_ratio
+    bin_size = length[..., None] / output_size
+    bin_index = tf.repeat(tf.range(output_size, dtype=tf.float32), sampling_ratio)  # [S]
+    in_bin = tf.tile(tf.range(sampling_ratio, dtype=tf.float32), [output_size]) + 0.5  # [S]
+    # torchvision's expression in its order of operations, so that the coordinates round as its kernel's do:
+    # another order moves samples at coordinates near 100 by ~1e-5 cells, and the outputs by as much.
+    coords = start[..., None] + bin_index * bin_size + in_bin * bin_size / sampling_ratio  # [B, N, S]
     size = size[..., None]
     inside = tf.cast(tf.logical_and(coords >= -1.0, coords <= size), tf.float32)
     coords = tf.clip_by_value(coords, 0.0, size - 1.0)
@@ -126,7 +140,7 @@ def _check_features(features):
     return levels, features
 
 
-def check_arguments(features, boxes, output_size, sampling_ratio):
+def check_arguments(features, boxes, output_size, sampling_ratio, aligned):
     """Validate ``multilevel_roi_align``'s arguments (shared with its fused twin).
 
     Returns:
@@ -137,6 +151,9 @@ def check_arguments(features, boxes, output_size, sampling_ratio):
         raise ValueError(f"output_size must be a positive int, got {output_size!r}.")
     if not isinstance(sampling_ratio, int) or sampling_ratio < 1:
         raise ValueError(f"sampling_ratio must be a positive int, got {sampling_ratio!r}.")
+    # A bool only: a tensor or a string such as "False" would silently pick a convention.
+    if not isinstance(aligned, bool):
+        raise ValueError(f"aligned must be a bool, got {aligned!r}.")
     boxes = tf.stop_gradient(tf.convert_to_tensor(boxes, dtype=tf.float32))
     box_ops.check_last_dim(boxes, 4, "boxes")
     if boxes.shape.rank != 3:
@@ -144,7 +161,7 @@ def check_arguments(features, boxes, output_size, sampling_ratio):
     return levels, features, boxes
 
 
-def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
+def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2, aligned=True):
     """RoIAlign of each box from its FPN level (see the module docstring for the exact sampling).
 
     Args:
@@ -153,12 +170,14 @@ def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
       boxes: [B, N, 4] float32 boxes [ymin, xmin, ymax, xmax] in input-image pixels; padded rows all -1.
       output_size: int R, side of the output patch.
       sampling_ratio: int s >= 1, samples per bin along each axis.
+      aligned: bool, torchvision's ``aligned``: True shifts boxes by -0.5 cell; False does not and makes
+        them at least 1 cell high and wide.
 
     Returns:
       [B, N, R, R, C] in the features' dtype. Padded and empty boxes give finite values (read from the
       lowest level). Differentiable w.r.t. ``features``; no gradient reaches ``boxes``.
     """
-    levels, features, boxes = check_arguments(features, boxes, output_size, sampling_ratio)
+    levels, features, boxes = check_arguments(features, boxes, output_size, sampling_ratio, aligned)
     dtype = features[levels[0]].dtype
     channels = features[levels[0]].shape[-1]
 
@@ -176,17 +195,20 @@ def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2):
     scale = tf.pow(2.0, -tf.cast(level_index + levels[0], tf.float32))
     height = tf.gather(heights, level_index)
     width = tf.gather(widths, level_index)
-    ymin, xmin, ymax, xmax = tf.unstack(boxes * scale[..., None], axis=-1)
-    num_samples = output_size * sampling_ratio
-    y_index, y_weight = _axis_samples(ymin - 0.5, ymax - ymin, height, num_samples)
-    x_index, x_weight = _axis_samples(xmin - 0.5, xmax - xmin, width, num_samples)
+    ymin, xmin, ymax, xmax = tf.unstack(boxes * scale[..., None] - (0.5 if aligned else 0.0), axis=-1)
+    box_height, box_width = ymax - ymin, xmax - xmin
+    if not aligned:
+        box_height, box_width = tf.maximum(box_height, 1.0), tf.maximum(box_width, 1.0)
+    y_index, y_weight = _axis_samples(ymin, box_height, height, output_size, sampling_ratio)
+    x_index, x_weight = _axis_samples(xmin, box_width, width, output_size, sampling_ratio)
 
     # Flat table row of every (y tap, x tap) pair: [B, N, 2S, 2S].
     row_start = tf.gather(offsets, level_index)[..., None] + y_index * tf.cast(width, tf.int32)[..., None]
     flat = row_start[..., :, None] + x_index[..., None, :]
     batch, num_boxes = tf.shape(boxes)[0], tf.shape(boxes)[1]
     grid = tf.gather(table, tf.reshape(flat, [batch, -1]), batch_dims=1)
-    grid = tf.reshape(grid, [batch, num_boxes, 2 * num_samples, 2 * num_samples, channels])
+    taps = 2 * output_size * sampling_ratio
+    grid = tf.reshape(grid, [batch, num_boxes, taps, taps, channels])
 
     y_bins = _bin_weights(y_weight, output_size, sampling_ratio)  # [B, N, R, 2S]
     x_bins = _bin_weights(x_weight, output_size, sampling_ratio)

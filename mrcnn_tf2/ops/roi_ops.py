@@ -40,8 +40,13 @@ def _propose_level(logits, deltas, anchors, image_hw, pre_nms_topn, post_nms_top
       order, [B, N_l] bool, where N_l = min(pre_nms_topn, M_l, post_nms_topn); invalid slots hold
       arbitrary boxes.
     """
-    num_candidates = min(pre_nms_topn, anchors.shape[0])
-    num_kept = min(num_candidates, post_nms_topn)
+    num_anchors = anchors.shape[0]
+    if num_anchors is None:  # the grid of a batch padded to its own size: known when the graph runs
+        num_candidates = tf.minimum(pre_nms_topn, tf.shape(anchors)[0])
+        num_kept = min(pre_nms_topn, post_nms_topn)
+    else:
+        num_candidates = min(pre_nms_topn, num_anchors)
+        num_kept = min(num_candidates, post_nms_topn)
     # top_k on logits picks the same boxes in the same order as on sigmoid probabilities.
     top_logits, top_indices = tf.math.top_k(logits, k=num_candidates, sorted=True)  # [B, k]
     top_deltas = tf.gather(deltas, top_indices, batch_dims=1)  # [B, k, 4]
@@ -88,15 +93,19 @@ def flatten_level_inputs(rpn_scores, rpn_boxes, anchors, image_hw):
         deltas = tf.convert_to_tensor(rpn_boxes[level])
         level_anchors = tf.convert_to_tensor(anchors[level], tf.float32)
         _, feat_h, feat_w, num_anchors = scores.shape
-        num_level_anchors = feat_h * feat_w * num_anchors
         box_ops.check_last_dim(deltas, 4 * num_anchors, f"rpn_boxes[{level}]")
         box_ops.check_last_dim(level_anchors, 4, f"anchors[{level}]")
-        if level_anchors.shape[0] != num_level_anchors:
+        if feat_h is None or feat_w is None:  # a batch padded to its own size: the grid is dynamic
+            num_level_anchors = -1
+        elif level_anchors.shape[0] != feat_h * feat_w * num_anchors:
             raise ValueError(f"anchors[{level}] has {level_anchors.shape[0]} boxes but rpn_scores[{level}] "
-                             f"{tuple(scores.shape)} needs {num_level_anchors}.")
+                             f"{tuple(scores.shape)} needs {feat_h * feat_w * num_anchors}.")
+        else:
+            num_level_anchors = feat_h * feat_w * num_anchors
         # [B, H, W, A] -> [B, H*W*A] and [B, H, W, 4A] -> [B, H*W*A, 4], matching the anchor order.
-        logits = tf.reshape(tf.cast(scores, tf.float32), [-1, num_level_anchors])
-        deltas = tf.reshape(tf.cast(deltas, tf.float32), [-1, num_level_anchors, 4])
+        batch = tf.shape(scores)[0]
+        logits = tf.reshape(tf.cast(scores, tf.float32), [batch, num_level_anchors])
+        deltas = tf.reshape(tf.cast(deltas, tf.float32), [batch, num_level_anchors, 4])
         level_inputs.append((logits, deltas, level_anchors))
     return level_inputs, image_hw
 

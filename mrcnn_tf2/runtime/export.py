@@ -34,27 +34,29 @@ SIGNATURES = ("serving_default", "serving_bytes")
 class ServingModule(tf.Module):
     """The model with its preprocessing, as the tf.functions the SavedModel signatures are made of."""
 
-    def __init__(self, model, image_size):
-        """model: a built MaskRCNN (pure-TF ops); image_size: (H, W) it was built for."""
+    def __init__(self, model, preprocessor):
+        """model: a built MaskRCNN (pure-TF ops); preprocessor: the run's `preprocess.Preprocessor`."""
         super().__init__()
         # The SavedModel tracks the model's weights as a flat list of their tf.Variables, which is all its
         # functions need: the Keras object graph itself cannot be saved (int-keyed dicts of FPN levels).
         self.model_variables = [variable.value for variable in model.variables]
         self._detect_batch = model.detect  # a bound method: not tracked
-        self.image_size = tuple(int(v) for v in image_size)
+        self.preprocessor = preprocessor
 
     def _preprocess(self, image):
-        """[h, w, 3] uint8 -> ([H, W, 3] float32 normalised and padded, [5] float32 image_info)."""
-        padded, image_info, _ = preprocess.resize_normalize_pad(image, self.image_size)
+        """[h, w, 3] uint8 -> ([H, W, 3] float32 normalised and padded to the canvas, [5] float32 image_info);
+        `_detect` cuts the batch to its own size when the run pads batches so."""
+        padded, image_info, _ = self.preprocessor.training_example(image)
         return padded, image_info
 
     def _detect(self, images, image_info):
+        images = self.preprocessor.pad_batch(images, image_info)
         detections = self._detect_batch({"images": images, "image_info": image_info})
         return {**detections, "image_info": image_info}
 
     def _preprocess_each(self, function, inputs):
         """`function` (-> `_preprocess`'s pair) on each of the B `inputs`: ([B, H, W, 3], [B, 5]) float32."""
-        height, width = self.image_size
+        height, width = self.preprocessor.image_size
         signature = (tf.TensorSpec([height, width, 3], tf.float32), tf.TensorSpec([5], tf.float32))
         return tf.map_fn(function, inputs, fn_output_signature=signature)
 
@@ -68,20 +70,20 @@ class ServingModule(tf.Module):
         """string [B] encoded images -> the detection dict (module docstring)."""
 
         def decode_and_preprocess(encoded):
-            return self._preprocess(preprocess.decode_image(encoded))
+            return self._preprocess(self.preprocessor.decode(encoded))
 
         return self._detect(*self._preprocess_each(decode_and_preprocess, image_bytes))
 
 
-def export_saved_model(model, image_size, export_dir):
+def export_saved_model(model, preprocessor, export_dir):
     """Saves `model` with both serving signatures to `export_dir` (replaced when it exists), atomically.
 
     Args:
       model: a built MaskRCNN made for export (`build_model(config, export=True)`: pure-TF ops).
-      image_size: (H, W) of the model's input.
+      preprocessor: the run's `preprocess.Preprocessor`.
       export_dir: the SavedModel directory.
     """
-    module = ServingModule(model, image_size)
+    module = ServingModule(model, preprocessor)
     with files.atomic_path(os.path.abspath(export_dir)) as temporary:
         tf.saved_model.save(module, temporary, signatures={"serving_default": module.serve_images,
                                                            "serving_bytes": module.serve_bytes})
@@ -96,7 +98,7 @@ def run(config):
         return status.BAD_INPUT
     export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
     os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
-    export_saved_model(loaded.model, config.data.image_size, export_dir)
+    export_saved_model(loaded.model, preprocess.Preprocessor(config.data), export_dir)
     print(f"[export] checkpoint {loaded.checkpoint} (step {loaded.step}) -> {export_dir} "
           f"(signatures {', '.join(SIGNATURES)})", flush=True)
     return status.OK

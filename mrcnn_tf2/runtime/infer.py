@@ -41,7 +41,7 @@ from PIL import Image, ImageOps
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import InputPipeline
-from mrcnn_tf2.data.preprocess import resize_normalize_pad
+from mrcnn_tf2.data.preprocess import Preprocessor, pad
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.evaluation.visualize import draw_detections
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
@@ -117,30 +117,36 @@ def photos_from_records(file_pattern, max_images=None):
         yield Photo(image_id, str(image_id), example["image"].numpy())
 
 
-def preprocess(photos, image_size):
+def preprocess(photos, preprocessor):
     """A model input batch of `photos`, resized, normalised and padded as the input pipeline does.
+
+    Args:
+      photos: list of b Photos; preprocessor: the run's `preprocess.Preprocessor`.
 
     Returns:
       dict with images [b, H, W, 3] float32, image_info [b, 5] float32, source_ids [b] int64.
     """
-    images, infos = zip(*(resize_normalize_pad(tf.constant(photo.image), image_size)[:2] for photo in photos))
-    return {"images": tf.stack(images), "image_info": tf.stack(infos),
+    images, infos = zip(*(preprocessor.example(tf.constant(photo.image))[:2] for photo in photos))
+    largest = [max(image.shape[i] for image in images) for i in (0, 1)]
+    images = tf.stack([pad(image, largest) for image in images])
+    infos = tf.stack(infos)
+    return {"images": preprocessor.pad_batch(images, infos), "image_info": infos,
             "source_ids": tf.constant([photo.image_id for photo in photos], tf.int64)}
 
 
-def detect(predict, photos, image_size, batch_size):
+def detect(predict, photos, preprocessor, batch_size):
     """Detections of up to `batch_size` photos, as NumPy arrays (the predict_step outputs of MaskRCNN).
 
     Args:
       predict: `predictor.predict_function` of the model.
       photos: list of b <= batch_size Photos (padded to batch_size for the model: one trace).
-      image_size: (H, W) of the model input.
+      preprocessor: the run's `preprocess.Preprocessor`.
 
     Returns:
       dict of [b, ...] arrays: detection_boxes [b, D, 4] in original-image pixels, detection_scores,
       detection_classes, detection_masks [b, D, R, R], num_detections, image_info, source_ids.
     """
-    return predict_batch(predict, preprocess(photos, image_size), batch_size)
+    return predict_batch(predict, preprocess(photos, preprocessor), batch_size)
 
 
 def batched(items, batch_size):
@@ -250,11 +256,12 @@ def run(config):
     taken = {os.path.basename(p) for p in paths if os.path.dirname(os.path.realpath(p)) == real_output_dir}
     predict = predict_function(loaded.model, config.runtime.eagerly)
     batch_size = config.eval.eval_batch_size
+    preprocessor = Preprocessor(config.data)
     encode_masks = loaded.ops.mask_encoder
     results, images, dropped = [], [], 0
     started = time.perf_counter()
     for chunk in batched(photos, batch_size):
-        outputs = detect(predict, chunk, config.data.image_size, batch_size)
+        outputs = detect(predict, chunk, preprocessor, batch_size)
         chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, encode_masks)
         results += chunk_results
         dropped += chunk_dropped

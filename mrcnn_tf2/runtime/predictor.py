@@ -35,7 +35,9 @@ def predict_function(model, eagerly=False):
     if function is None:
         # A weak reference: the cache must not keep a discarded model (and its graph) alive.
         model_ref = weakref.ref(model)
-        function = tf.function(lambda batch: model_ref().predict_step(batch))
+        # reduce_retracing: batches padded to their own size (data.pad_to_multiple) share a trace of
+        # unknown height and width after the first few sizes, instead of one trace per size.
+        function = tf.function(lambda batch: model_ref().predict_step(batch), reduce_retracing=True)
         _PREDICT_FUNCTIONS[model] = function
     return function
 

@@ -6,6 +6,11 @@ the same command resumes at the same step with the same learning rate. The input
 checkpointed cheaply (its shuffle buffer holds images): a resumed run reseeds it with its start step, so
 it reads a fresh, still reproducible order rather than replaying the first batches.
 
+A new run starts from random weights, a pretrained backbone (--backbone_checkpoint) or the model weights
+of another run's checkpoint (--init_checkpoint: fine-tuning, at step 0 with a fresh optimizer; the class
+layers are reinitialised when --num_classes differs). A run whose model_dir holds a checkpoint resumes
+from it and ignores both.
+
 With --eval_file the run also evaluates COCO AP on the validation set (`evaluate.TrainingEvaluator`: when,
 what it logs, and the early stop at --min_bbox_map / --min_mask_map).
 """
@@ -26,7 +31,8 @@ from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata
 from mrcnn_tf2.runtime.benchmark import report_benchmark
-from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
+from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
+                                           find_checkpoint)
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS, init_world
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
@@ -62,6 +68,8 @@ class Trainer:
         self.policy = set_precision(runtime.amp)
         self.world = world
         self.num_workers, self.worker_index = world.size, world.rank
+        # Opened before anything is built or read, so that a wrong path fails at once.
+        self.init_checkpoint = self._open_init_checkpoint() if world.is_chief else None
         self.pattern = config.data.resolved_training_pattern()
         self.global_batch_size = train.train_batch_size * train.accumulate_steps * world.size
         self.steps_per_epoch = train.steps_per_epoch
@@ -132,30 +140,77 @@ class Trainer:
         pipeline = InputPipeline(config, training=True, anchors=self.model.anchors, rpn_targets=self.rpn_targets)
         return pipeline.dataset(self.pattern, config.train.train_batch_size, self.worker_index, self.num_workers)
 
+    def _open_init_checkpoint(self):
+        """The TrainingCheckpoint of --init_checkpoint when this run starts from it: None without the flag or
+        when model_dir holds a checkpoint (the run resumes from that). Raises ConfigError naming the path
+        when it holds no readable checkpoint or a model of another backbone (checkpoints.py)."""
+        config = self.config
+        path = config.train.init_checkpoint
+        if path is None or tf.train.latest_checkpoint(config.runtime.model_dir):
+            return None
+        prefix = find_checkpoint(path)
+        check_saved_model_config(path, prefix, config)
+        return TrainingCheckpoint(prefix)
+
     def _restore_or_initialise(self, batch, logger):
         """Builds the variables, then rank 0 restores or initialises them and every rank takes rank 0's
         (model, optimizer, step); returns the step."""
         self.build(batch)
-        # Only rank 0 reads model_dir and the backbone checkpoint: other machines need not see them.
+        # Only rank 0 reads model_dir and the checkpoints a run starts from: other machines need not see them.
         if self.world.is_chief:
-            self._restore_or_load_backbone(logger)
+            self._restore_or_load_pretrained(logger)
         self.world.broadcast_variables([*self.model.variables, *self.optimizer.variables, self.step])
         return int(self.step.numpy())
 
-    def _restore_or_load_backbone(self, logger):
-        """Restores the latest checkpoint, or loads the pretrained backbone in a new run."""
-        runtime = self.config.runtime
+    def _restore_or_load_pretrained(self, logger):
+        """Restores the latest checkpoint, or loads the init checkpoint's model or the pretrained backbone in
+        a new run."""
+        runtime, train = self.config.runtime, self.config.train
         objects = dict(model=self.model, optimizer=self.optimizer, step=self.step)
         self.keeper = CheckpointKeeper(runtime.model_dir, runtime.keep_checkpoints, **objects)
         path = self.keeper.restore_latest()
         if path is not None:
             logger.event("resumed", checkpoint=path, step=int(self.step.numpy()))
-        elif self.config.train.backbone_checkpoint:
+            if train.init_checkpoint:
+                notice = (f"--init_checkpoint {train.init_checkpoint} is ignored: the run resumes from its own "
+                          f"checkpoint {path}")
+                print(f"[train] {notice}", flush=True)
+                logger.event("notice", echo=False, message=notice)
+        elif self.init_checkpoint is not None:
+            self._load_init_checkpoint(logger)
+        elif train.backbone_checkpoint:
             # Only a new run loads pretrained weights: a resumed one has trained past them.
-            check_backbone_metadata(self.config.train.backbone_checkpoint, self.config.model)
+            check_backbone_metadata(train.backbone_checkpoint, self.config.model)
             tf.train.Checkpoint(backbone=self.model.backbone).read(
-                self.config.train.backbone_checkpoint).assert_existing_objects_matched().expect_partial()
-            logger.event("backbone loaded", checkpoint=self.config.train.backbone_checkpoint)
+                train.backbone_checkpoint).assert_existing_objects_matched().expect_partial()
+            logger.event("backbone loaded", checkpoint=train.backbone_checkpoint)
+
+    def _load_init_checkpoint(self, logger):
+        """Assigns the model the weights of the init checkpoint and reports what was loaded: the optimizer
+        (momentum, iterations), the step and so the schedule keep their fresh start."""
+        model = self.model
+        # The layers with one output per class: another --num_classes gives them new shapes (and meanings).
+        class_layers = [model.box_head.class_dense, model.box_head.box_dense]
+        if model.mask_head is not None:
+            class_layers.append(model.mask_head.logits)
+        # A checkpoint with a mask head fits a Faster R-CNN: its backbone and box head are what it needs.
+        absent = ("mask_head",) if model.mask_head is None else ()
+        checkpoint = self.init_checkpoint
+        loaded = checkpoint.load_model_weights(model, class_layers, absent)
+        step = "" if checkpoint.step is None else f" (step {checkpoint.step})"
+        print(f"[train] init checkpoint {checkpoint.prefix}{step}: loaded {loaded.loaded} model variables; the "
+              "optimizer, step and learning rate schedule start fresh", flush=True)
+        for name, stored, shape in loaded.reinitialised:
+            print(f"[train] init checkpoint: {name} newly initialised: {stored} in the checkpoint, {shape} in "
+                  "the model (--num_classes differs)", flush=True)
+        if loaded.ignored:
+            print(f"[train] init checkpoint: ignored its {len(loaded.ignored)} mask head variables (the model has "
+                  f"no mask head): {', '.join(name for name, _ in loaded.ignored)}", flush=True)
+        logger.event("init checkpoint loaded", echo=False, checkpoint=checkpoint.prefix, step=checkpoint.step,
+                     variables=loaded.loaded,
+                     reinitialised=[dict(variable=name, checkpoint_shape=stored, model_shape=shape)
+                                    for name, stored, shape in loaded.reinitialised],
+                     ignored=[name for name, _ in loaded.ignored])
 
     def run(self):
         """Trains to epochs * steps_per_epoch updates (or benchmarks); returns the process exit status."""

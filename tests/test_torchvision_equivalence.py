@@ -1,0 +1,329 @@
+"""The package under `--preset torchvision` against torchvision's own maskrcnn_resnet50_fpn, end to end.
+
+A torchvision model with seeded random weights and randomised batch-norm statistics is saved as a state
+dict, converted by weights/convert_torchvision.py, and both models run on the same photos (JPEG files of
+several sizes and orientations, read with PIL as torchvision's users read them): the normalised input,
+the FPN features, the RPN proposals, the final detections and the pasted masks must agree.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+import torchvision
+from PIL import Image, ImageDraw, ImageFilter
+from pycocotools import mask as mask_utils
+
+import main
+from dataset.create_coco_tf_record import convert_coco
+
+from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.data.preprocess import Preprocessor
+from mrcnn_tf2.evaluation import coco_metrics
+from mrcnn_tf2.ops import masks as mask_ops
+from mrcnn_tf2.runtime import infer
+from mrcnn_tf2.runtime.predictor import load_model, predict_function
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Smaller than torchvision's 800 / 1333 to keep the test quick on a CPU; the arithmetic is the same.
+MIN_SIZE, MAX_SIZE = 480, 800
+# (height, width) of the photos: landscape, portrait, square, and one whose resized sides are not multiples
+# of 32 or 64 in either direction.
+PHOTO_SIZES = ((480, 640), (500, 333), (400, 400), (371, 519))
+
+
+def photo(height, width, seed):
+    """A photo-like RGB image: a smooth gradient, blurred shapes and noise, as uint8 [h, w, 3]."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    base = np.stack([120 + 100 * np.sin(3 * x + c) * np.cos(2 * y - c) for c in (0.0, 1.0, 2.0)], -1)
+    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(12):
+        x0, y0 = rng.uniform(0, width), rng.uniform(0, height)
+        w, h = rng.uniform(20, width / 2), rng.uniform(20, height / 2)
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.uniform() < 0.5 else draw.rectangle)([x0, y0, x0 + w, y0 + h], fill=colour)
+    image = image.filter(ImageFilter.GaussianBlur(1.5))
+    noisy = np.asarray(image, np.float32) + rng.normal(0, 6, (height, width, 3))
+    return np.clip(noisy, 0, 255).astype(np.uint8)
+
+
+def torchvision_maskrcnn(state_dict_path, photo_paths, min_size, max_size, seed):
+    """A seeded torchvision maskrcnn_resnet50_fpn (BatchNorm2d backbone, as torchvision builds it without
+    pretrained weights) with randomised batch-norm statistics, RPN and class outputs scaled to a trained
+    model's ranges (confident, varied detections); saves its state dict to `state_dict_path` and runs it on
+    the photos (read with PIL, as torchvision's users read them).
+
+    Returns, for photo i: i_input [H, W, 3] the padded, normalised model input; i_p{2..6} [H_l, W_l, 256] the
+    FPN features (NHWC); i_proposals [P, 4]; i_boxes [D, 4] (original pixels); i_scores [D]; i_classes [D];
+    i_masks [D, h, w] bool (pasted, > 0.5). Boxes [ymin, xmin, ymax, xmax].
+    """
+    torch.manual_seed(seed)
+    model = torchvision.models.detection.maskrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, num_classes=91, min_size=min_size, max_size=max_size)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                channels = module.num_features
+                module.running_mean.copy_(0.1 * torch.randn(channels, generator=generator))
+                module.running_var.copy_(0.5 + torch.rand(channels, generator=generator))
+                module.weight.copy_(0.5 + torch.rand(channels, generator=generator))
+                module.bias.copy_(0.1 * torch.randn(channels, generator=generator))
+        # Randomised statistics leave the features large: RPN outputs scaled to a trained model's ranges
+        # (objectness logits of a few units, deltas of a few tenths), class logits up to confident scores.
+        model.rpn.head.cls_logits.weight.mul_(0.2)
+        model.rpn.head.bbox_pred.weight.mul_(0.01)
+    model.eval()
+    photos = [torch.from_numpy(np.asarray(Image.open(path).convert("RGB")).copy()).permute(2, 0, 1).float() / 255.0
+              for path in photo_paths]
+    with torch.no_grad():
+        # Class logits of about 2.5 standard deviations and class deltas of about 0.5 on the first photo's
+        # RoI features: confident but varied scores, boxes that move.
+        image_list, _ = model.transform(photos[:1])
+        features = model.backbone(image_list.tensors)
+        proposals, _ = model.rpn(image_list, features)
+        pooled = model.roi_heads.box_roi_pool(features, proposals, image_list.image_sizes)
+        rms = model.roi_heads.box_head(pooled).pow(2).mean().sqrt()
+        predictor = model.roi_heads.box_predictor
+        width = predictor.cls_score.in_features ** 0.5
+        predictor.cls_score.weight.normal_(0.0, float(2.5 / (rms * width)), generator=generator)
+        predictor.bbox_pred.weight.normal_(0.0, float(0.5 / (rms * width)), generator=generator)
+    torch.save(model.state_dict(), state_dict_path)
+
+    yxyx = [1, 0, 3, 2]
+    out = {}
+    for i, tensor in enumerate(photos):
+        with torch.no_grad():
+            image_list, _ = model.transform([tensor])
+            features = model.backbone(image_list.tensors)
+            proposals, _ = model.rpn(image_list, features)
+            detections = model([tensor])[0]
+        out[f"{i}_input"] = image_list.tensors[0].permute(1, 2, 0).numpy()
+        for level, feature in zip(range(2, 7), features.values()):
+            out[f"{i}_p{level}"] = feature[0].permute(1, 2, 0).numpy()
+        out[f"{i}_proposals"] = proposals[0].numpy()[:, yxyx]
+        out[f"{i}_boxes"] = detections["boxes"].numpy()[:, yxyx]
+        out[f"{i}_scores"] = detections["scores"].numpy()
+        out[f"{i}_classes"] = detections["labels"].numpy()
+        out[f"{i}_masks"] = detections["masks"][:, 0].numpy() > 0.5
+    return out
+
+
+@pytest.fixture(scope="module")
+def photo_files(tmp_path_factory):
+    """[(h, w, path of a JPEG photo)]; both sides read them back with PIL."""
+    folder = tmp_path_factory.mktemp("photos")
+    photos = []
+    for seed, (height, width) in enumerate(PHOTO_SIZES):
+        path = str(folder / f"photo_{height}x{width}.jpg")
+        Image.fromarray(photo(height, width, seed)).save(path, quality=90)
+        photos.append((height, width, path))
+    return photos
+
+
+@pytest.fixture(scope="module")
+def reference(photo_files, tmp_path_factory):
+    """(state dict path, torchvision's outputs) of the seeded model (`torchvision_maskrcnn`)."""
+    state = str(tmp_path_factory.mktemp("torchvision") / "model.pth")
+    outputs = torchvision_maskrcnn(state, [path for _, _, path in photo_files], MIN_SIZE, MAX_SIZE, seed=0)
+    return state, outputs
+
+
+@pytest.fixture(scope="module")
+def converted(reference, tmp_path_factory):
+    """The torchvision model's state dict converted into a model directory."""
+    model_dir = str(tmp_path_factory.mktemp("converted") / "model")
+    subprocess.run([sys.executable, os.path.join(REPO, "weights", "convert_torchvision.py"), "--input",
+                    reference[0], "--output_dir", model_dir], check=True, capture_output=True, cwd=REPO)
+    return model_dir
+
+
+def package_config(model_dir, *flags):
+    return parse(["eval", "--preset", "torchvision", "--model_dir", model_dir, "--eval_batch_size", "1", *flags,
+                  "--config_override", f"data.resize_min_size={MIN_SIZE}",
+                  "--config_override", f"data.resize_max_size={MAX_SIZE}"])[1]
+
+
+def torch_outputs(outputs, i):
+    """Photo i's entries of `torchvision_maskrcnn`'s result."""
+    prefix = f"{i}_"
+    found = {key[len(prefix):]: value for key, value in outputs.items() if key.startswith(prefix)}
+    found["features"] = {level: found.pop(f"p{level}") for level in range(2, 7)}
+    return found
+
+
+def package_outputs(loaded, config, image):
+    """The package's outputs for the same photo, through main.py infer's own preprocessing and predictor."""
+    model = loaded.model
+    batch = infer.preprocess([infer.Photo(1, "photo", image)], Preprocessor(config.data))
+    features = model.fpn(model.backbone(batch["images"]))
+    rpn = model.rpn_head(features)
+    proposals = model.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"],
+                                         model._batch_anchors(batch["images"], features),
+                                         batch["image_info"][:, :2], training=False)
+    outputs = infer.detect(predict_function(model), [infer.Photo(1, "photo", image)], Preprocessor(config.data), 1)
+    count = int(outputs["num_detections"][0])
+    boxes = outputs["detection_boxes"][0, :count]
+    pasted = mask_ops.paste_masks_torchvision(outputs["detection_masks"][0, :count], boxes, image.shape[:2], 0.5)
+    rois = proposals["rois"][0].numpy()
+    return {
+        "input": batch["images"][0].numpy(),
+        "features": {level: f[0].numpy() for level, f in features.items()},
+        "proposals": rois[~np.all(rois == -1, axis=1)],
+        "boxes": boxes,
+        "scores": outputs["detection_scores"][0, :count],
+        "classes": outputs["detection_classes"][0, :count],
+        "masks": pasted.astype(bool),
+    }
+
+
+def iou_matrix(a, b):
+    """[N, 4] x [M, 4] boxes [ymin, xmin, ymax, xmax] -> [N, M] IoU."""
+    top_left = np.maximum(a[:, None, :2], b[None, :, :2])
+    bottom_right = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(bottom_right - top_left, 0, None), axis=-1)
+    area = lambda boxes: np.prod(boxes[:, 2:] - boxes[:, :2], axis=-1)  # noqa: E731
+    return inter / (area(a)[:, None] + area(b)[None, :] - inter)
+
+
+def match_detections(ours, theirs):
+    """Greedy one-to-one matching by descending score: same class, IoU >= 0.99, score within 1e-3.
+
+    Returns (pairs [(our index, their index)], unmatched indices of ours, unmatched indices of theirs).
+    """
+    iou = iou_matrix(ours["boxes"], theirs["boxes"]) if len(ours["boxes"]) and len(theirs["boxes"]) else None
+    free = set(range(len(theirs["scores"])))
+    pairs, unmatched = [], []
+    for i in np.argsort(-ours["scores"], kind="stable"):
+        candidates = [j for j in free if iou[i, j] >= 0.99 and ours["classes"][i] == theirs["classes"][j]
+                      and abs(ours["scores"][i] - theirs["scores"][j]) <= 1e-3]
+        if candidates:
+            j = max(candidates, key=lambda j: iou[i, j])
+            pairs.append((i, j))
+            free.remove(j)
+        else:
+            unmatched.append(i)
+    return pairs, unmatched, sorted(free)
+
+
+def borderline(scores, cutoff_scores):
+    """True where a detection's score lies within 1e-3 of a cutoff (the 0.05 threshold, the 100th score): such
+    a detection may fall on either side of the cutoff in two float implementations."""
+    return np.array([min(abs(s - c) for c in cutoff_scores) <= 1e-3 for s in scores], bool)
+
+
+@pytest.mark.onednn  # the convolutions' numbers are oneDNN's or TensorFlow's
+@pytest.mark.parametrize("custom_ops", ["on", "off"])
+def test_detections_equal_torchvisions(reference, converted, photo_files, custom_ops):
+    config = package_config(converted, "--custom_ops", custom_ops)
+    loaded = load_model(config)
+    for i, (height, width, path) in enumerate(photo_files):
+        image = infer.read_image(path)
+        theirs = torch_outputs(reference[1], i)
+        ours = package_outputs(loaded, config, image)
+        where = f"photo {height}x{width}, custom_ops {custom_ops}"
+
+        # The model input: same resized size, same padding to a multiple of 32, same pixels.
+        assert ours["input"].shape == theirs["input"].shape, where
+        np.testing.assert_allclose(ours["input"], theirs["input"], atol=2e-4, err_msg=where)
+        # Features through 50 float32 layers in two libraries: relative to the level's largest magnitude,
+        # every element within 3e-4 and the mean within 1e-5.
+        for level, feature in theirs["features"].items():
+            assert ours["features"][level].shape == feature.shape, (where, level)
+            error = np.abs(ours["features"][level] - feature) / np.abs(feature).max()
+            assert error.max() <= 3e-4 and error.mean() <= 1e-5, (where, level, error.max(), error.mean())
+
+        # Proposals: the same set (all 1000 of them; near-ties in NMS may swap a few).
+        assert len(ours["proposals"]) == len(theirs["proposals"]), where
+        iou = iou_matrix(ours["proposals"], theirs["proposals"])
+        assert (iou.max(axis=1) >= 0.99).mean() >= 0.99, where
+        assert (iou.max(axis=0) >= 0.99).mean() >= 0.99, where
+
+        # Detections, one to one; only detections at a cutoff may be missing on one side.
+        assert len(theirs["scores"]) >= 20, f"{where}: too few detections to prove anything"
+        pairs, our_extra, their_extra = match_detections(ours, theirs)
+        # The 0.05 score threshold, and the 100th score when the detections were cut at 100.
+        cutoffs = (0.05,) + ((theirs["scores"][-1],) if len(theirs["scores"]) == 100 else ())
+        assert borderline(ours["scores"][our_extra], cutoffs).all(), (where, our_extra)
+        assert borderline(theirs["scores"][their_extra], cutoffs).all(), (where, their_extra)
+        assert len(pairs) >= len(theirs["scores"]) - 2, where
+
+        # Masks pasted at the photo's size, as torchvision pastes them.
+        for i, j in pairs:
+            mask, their_mask = ours["masks"][i], theirs["masks"][j]
+            union = np.logical_or(mask, their_mask).sum()
+            if union:
+                assert np.logical_and(mask, their_mask).sum() / union >= 0.98, (where, i, j)
+
+
+def coco_results(image_id, boxes, scores, classes, masks):
+    """COCO result dicts of one image's detections: boxes [D, 4] [ymin, xmin, ymax, xmax], masks [D, h, w] bool."""
+    rles = mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0).astype(np.uint8)))
+    return [{"image_id": image_id, "category_id": int(c), "score": float(s),
+             "bbox": [float(b[1]), float(b[0]), float(b[3] - b[1]), float(b[2] - b[0])],
+             "segmentation": {"size": rle["size"], "counts": rle["counts"].decode()}}
+            for b, s, c, rle in zip(boxes, scores, classes, rles)]
+
+
+def test_eval_gives_torchvisions_coco_ap(reference, converted, photo_files, tmp_path):
+    # Ground truth: every other one of torchvision's own detections scoring above 0.2, so that false positives
+    # rank among the true ones and its AP is far from 0 and from 1; the package's `main.py eval` on TFRecords
+    # of the same JPEG files must score the same AP as torchvision's predictions scored by pycocotools.
+    images, annotations, theirs = [], [], []
+    for i, (height, width, path) in enumerate(photo_files):
+        out = torch_outputs(reference[1], i)
+        images.append({"id": i + 1, "file_name": os.path.basename(path), "height": height, "width": width})
+        confident = (out["scores"] > 0.2) & (np.arange(len(out["scores"])) % 2 == 0)
+        for result in coco_results(i + 1, out["boxes"][confident], out["scores"][confident],
+                                   out["classes"][confident], out["masks"][confident]):
+            annotations.append({"id": len(annotations) + 1, "image_id": i + 1, "category_id": result["category_id"],
+                                "bbox": result["bbox"], "segmentation": result["segmentation"], "iscrowd": 0,
+                                "area": float(mask_utils.area(result["segmentation"]))})
+        theirs += coco_results(i + 1, out["boxes"], out["scores"], out["classes"], out["masks"])
+    assert len(annotations) >= 20
+    eval_file = tmp_path / "annotations.json"
+    eval_file.write_text(json.dumps({"images": images, "annotations": annotations,
+                                     "categories": [{"id": c, "name": f"class {c}"} for c in range(1, 91)]}))
+    convert_coco(os.path.dirname(photo_files[0][2]), str(eval_file), str(tmp_path / "records"), tag="val",
+                 progress=False)
+    model_dir = tmp_path / "model"
+    shutil.copytree(converted, model_dir)
+    status = main.main(["eval", "--preset", "torchvision", "--model_dir", str(model_dir), "--eval_file", str(eval_file),
+                        "--data_dir", str(tmp_path / "records"), "--eval_batch_size", "1",
+                        "--config_override", f"data.resize_min_size={MIN_SIZE}",
+                        "--config_override", f"data.resize_max_size={MAX_SIZE}"])
+    assert status == 0
+    ours = json.loads((model_dir / "eval_results.json").read_text())["metrics"]
+    expected = coco_metrics.evaluate(coco_metrics.load_annotations(str(eval_file)), theirs, [image["id"] for image in images])
+    for key in ("bbox/AP", "segm/AP"):
+        assert 0.2 < expected[key] < 0.95, (key, expected[key])
+        assert abs(ours[key] - expected[key]) <= 0.005, (key, ours[key], expected[key])
+
+
+def test_fine_tuning_a_converted_model_trains_checkpoints_and_evaluates(converted, shapes_records, tmp_path, capsys):
+    # 91 COCO classes -> the 5 generated shapes: the class layers start anew (listed), the rest is loaded.
+    model_dir = tmp_path / "finetuned"
+    small = ["--model_dir", str(model_dir), "--data_dir", shapes_records["data_dir"], "--eval_file",
+             shapes_records["val_json"], "--eval_batch_size", "2", "--image_size", "128", "128",
+             "--config_override", "data.resize_min_size=128", "--config_override", "data.resize_max_size=128"]
+    status = main.main(["train", "--preset", "torchvision", "--init_checkpoint", converted, "--num_classes", "6",
+                        "--train_batch_size", "2", "--epochs", "1", "--steps_per_epoch", "3", "--seed", "1",
+                        "--log_warmup_steps", "1", *small])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    reinitialised = [line for line in (printed.out + printed.err).splitlines() if "newly initialised" in line]
+    assert len(reinitialised) == 6 and all("--num_classes differs" in line for line in reinitialised), reinitialised
+    assert (model_dir / "ckpt-3.index").exists()
+    assert json.loads((model_dir / "config.json").read_text())["model"]["num_classes"] == 6
+    # The fine-tuned model evaluates under the same preset, its 6 classes kept from its saved config.
+    assert main.main(["eval", "--preset", "torchvision", *small]) == 0
+    metrics = json.loads((model_dir / "eval_results.json").read_text())["metrics"]
+    assert json.loads((model_dir / "eval_results.json").read_text())["step"] == 3
+    assert set(metrics) >= {"bbox/AP", "segm/AP"}
