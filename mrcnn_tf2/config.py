@@ -340,17 +340,8 @@ class Config:
 
     def pretrained(self) -> bool:
         """True when a run starts from pretrained weights: an ImageNet backbone (--backbone_checkpoint) or
-        the model weights of a training checkpoint (--init_checkpoint).
-
-        Raises ConfigError naming both flags when both are given: the init checkpoint's backbone would
-        replace the pretrained one, so one of them is a mistake.
-        """
-        train = self.train
-        if train.backbone_checkpoint is not None and train.init_checkpoint is not None:
-            raise ConfigError("--init_checkpoint", f"{train.init_checkpoint} and --backbone_checkpoint "
-                                                   f"{train.backbone_checkpoint} both give the backbone's weights: "
-                                                   "give one of them")
-        return train.backbone_checkpoint is not None or train.init_checkpoint is not None
+        the model weights of a training checkpoint (--init_checkpoint)."""
+        return self.train.backbone_checkpoint is not None or self.train.init_checkpoint is not None
 
     def resolved(self) -> "Config":
         """A copy with every setting left to its rule (None) filled in; resolved configs are unchanged.
@@ -437,6 +428,12 @@ class Config:
             raise ConfigError("--backbone", f"'{self.model.backbone}' is not one of {', '.join(BACKBONES)}")
         if self.runtime.custom_ops not in CUSTOM_OPS_MODES:
             raise ConfigError("--custom_ops", f"'{self.runtime.custom_ops}' is not one of {CUSTOM_OPS_MODES}")
+        train = self.train
+        if train.backbone_checkpoint is not None and train.init_checkpoint is not None:
+            # The init checkpoint's backbone would replace the pretrained one: one of them is a mistake.
+            raise ConfigError("--init_checkpoint", f"{train.init_checkpoint} and --backbone_checkpoint "
+                                                   f"{train.backbone_checkpoint} both give the backbone's weights: "
+                                                   "give one of them")
         if self.model.test.mask_paste not in MASK_PASTES:
             raise ConfigError("model.test.mask_paste", f"'{self.model.test.mask_paste}' is not one of {MASK_PASTES}")
         if self.data.jpeg_dct_method not in JPEG_DCT_METHODS:
