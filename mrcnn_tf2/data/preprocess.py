@@ -1,8 +1,8 @@
 """Image preprocessing, the one home of the arithmetic that turns an image into the model's input.
 
 The input pipeline (training and evaluation), `main.py infer` and the exported SavedModel's signatures all
-call `resize_normalize_pad`, so that a picture gives the same model input, hence the same detections,
-whichever way it comes in. Each step is also a function of its own:
+ask the run's `Preprocessor` (which calls these functions), so that a picture gives the same model input,
+hence the same detections, whichever way it comes in. Each step is also a function of its own:
 
   decode_image   encoded JPEG / PNG / BMP / GIF bytes -> [h, w, 3] uint8 RGB (JPEG optionally as PIL does)
   resize         [h, w, 3] -> [h', w', 3] float32, the largest aspect-preserving size that fits (H, W), or
@@ -142,19 +142,20 @@ def pad(image, image_size):
     return tf.image.pad_to_bounding_box(image, 0, 0, image_size[0], image_size[1])
 
 
-def resize_normalize_pad(image, image_size):
-    """The model input of one image: `resize`, `normalize`, `pad`.
+def resize_normalize_pad(image, image_size, min_size=None, max_size=1333):
+    """The model input of one image on the canvas: `resize` (by its rule), `normalize`, `pad`.
 
     Args:
       image: [h, w, 3] uint8 RGB.
       image_size: (H, W) of the output.
+      min_size, max_size: `resize`'s rule.
 
     Returns:
       (image [H, W, 3] float32 normalised and padded, image_info [5] float32
        [scaled_h, scaled_w, 1 / scale, h, w], scale scalar float32: multiplying a box in original-image
        pixels by it gives the box in the model input's pixels).
     """
-    resized, image_info, scale = resize(image, image_size)
+    resized, image_info, scale = resize(image, image_size, min_size, max_size)
     return pad(normalize(resized), image_size), image_info, scale
 
 
@@ -188,8 +189,7 @@ class Preprocessor:
 
     def training_example(self, image):
         """[h, w, 3] uint8 -> (image [H, W, 3] on the canvas, image_info [5], scale)."""
-        resized, image_info, scale = self.resize_normalize(image)
-        return pad(resized, self.image_size), image_info, scale
+        return resize_normalize_pad(image, self.image_size, self.min_size, self.max_size)
 
     def example(self, image):
         """[h, w, 3] uint8 -> (image, image_info [5], scale) for evaluation or inference: on the canvas
