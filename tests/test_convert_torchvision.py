@@ -1,4 +1,4 @@
-"""Tests of weights/convert_torchvision.py: a torchvision maskrcnn_resnet50_fpn state dict -> a model directory.
+"""Tests of weights/convert_torchvision.py: a torchvision Mask R-CNN state dict -> a model directory.
 
 torch and torchvision are test-only dependencies: the tests build torchvision models, save their state dicts
 with torch.save and compare the layers' outputs with ours; the converter itself reads the files without torch.
@@ -434,14 +434,42 @@ def test_a_resnet50_classifier_is_not_a_mask_rcnn(tmp_path):
                    "roi_heads.mask_predictor (mask predictor)", "its keys begin with bn1, conv1, fc, layer1")
 
 
-def test_a_resnet101_mask_rcnn_is_refused_naming_its_depth(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [18, 101])
+def test_other_resnet_depths_convert_and_compute_what_torchvision_computes(tmp_path, depth):
+    """MaskRCNN on resnet_fpn_backbone of ResNet-18 (basic blocks, no projection in its first block) and
+    ResNet-101: the depth is read from the blocks and the backbone + FPN features agree."""
+    torch.manual_seed(depth)
+    backbone = resnet_fpn_backbone(backbone_name=f"resnet{depth}", weights=None, trainable_layers=5,
+                                   norm_layer=torch.nn.BatchNorm2d)
+    theirs = randomize(MaskRCNN(backbone, num_classes=5), depth)
+    path = tmp_path / f"maskrcnn_resnet{depth}.pth"
+    torch.save(theirs.state_dict(), path)
+    code, _, err = run_converter("--input", path, "--output_dir", tmp_path / "model")
+    assert code == status.OK, err
+    assert load_saved_config(str(tmp_path / "model"))["model.backbone"] == f"resnet{depth}"
+    with open(tmp_path / "model" / conv.CONVERSION_FILE) as f:
+        assert json.load(f)["backbone"] == f"resnet{depth}"
+    _, config = arguments.parse(["eval", "--model_dir", str(tmp_path / "model")])
+    ours = conv.build_model_variables(config)
+    checkpoint = tf.train.Checkpoint(model=ours, step=tf.Variable(0, dtype=tf.int64))
+    checkpoint.save_counter  # noqa: B018
+    checkpoint.read(tf.train.latest_checkpoint(str(tmp_path / "model"))).assert_consumed()
+    images = torch.from_numpy(np.random.default_rng(depth).standard_normal((1, 3) + IMAGE_SIZES[1], dtype=np.float32))
+    with torch.no_grad():
+        their_features = list(theirs.backbone(images).values())
+    our_features = ours.fpn(ours.backbone(to_nhwc(images), training=False), training=False)
+    for level, feature in zip(range(2, 7), their_features):
+        assert_close(our_features[level], to_nhwc(feature), f"P{level}")
+
+
+def test_a_resnet_of_no_known_depth_is_refused_naming_its_blocks(tmp_path):
     torch.manual_seed(0)
-    backbone = resnet_fpn_backbone(backbone_name="resnet101", weights=None, trainable_layers=3)
-    path = tmp_path / "maskrcnn_resnet101.pth"
-    torch.save(MaskRCNN(backbone, num_classes=91).state_dict(), path)
-    err = assert_refused(tmp_path, path, "(3, 4, 23, 3) blocks per stage (ResNet-101)", "only ResNet-50",
-                         "backbone.body.layer3.6, ", "backbone.body.layer3.22")
-    assert "layer3.5," not in err
+    resnet = torchvision.models.resnet.ResNet(torchvision.models.resnet.Bottleneck, [2, 2, 2, 2])
+    path = tmp_path / "maskrcnn_resnet26.pth"
+    torch.save(MaskRCNN(_resnet_fpn_extractor(resnet, 5), num_classes=3).state_dict(), path)
+    assert_refused(tmp_path, path, "its ResNet has (2, 2, 2, 2) bottleneck blocks per stage, which is no depth",
+                   "ResNet-50 (3, 4, 6, 3)")
 
 
 @pytest.fixture(scope="module")
@@ -465,7 +493,7 @@ def test_missing_unexpected_and_mis_shaped_keys_are_all_named(tmp_path, frozen_s
         expected += ["1 mis-shaped: rpn.head.cls_logits.weight [6, 256, 1, 1], expected [3, 256, 1, 1]"]
     path = tmp_path / "maskrcnn.pth"
     torch.save(state_dict, path)
-    assert_refused(tmp_path, path, "does not match torchvision's maskrcnn_resnet50_fpn", *expected)
+    assert_refused(tmp_path, path, "does not match torchvision's Mask R-CNN", *expected)
 
 
 def test_an_output_dir_this_converter_did_not_write_is_not_replaced(tmp_path, state_dict_files):

@@ -1,9 +1,11 @@
-"""Converts a torchvision Mask R-CNN (maskrcnn_resnet50_fpn) state dict into a model directory of this package.
+"""Converts a torchvision Mask R-CNN (maskrcnn_resnet50_fpn, or MaskRCNN on another ResNet-FPN) state dict into a
+model directory of this package.
 
     python weights/convert_torchvision.py --input maskrcnn_resnet50_fpn_coco-bf2d0c1e.pth --output_dir runs/tv
     python main.py infer --preset torchvision --model_dir runs/tv --input 'photos/*.jpg' --visualize
 
-Input: `torch.save(model.state_dict())` of torchvision.models.detection.maskrcnn_resnet50_fpn (the zip format of
+Input: `torch.save(model.state_dict())` of torchvision.models.detection.maskrcnn_resnet50_fpn, or of a MaskRCNN on
+`resnet_fpn_backbone` of ResNet-18, 34, 50 or 101 (the depth is read from the blocks: the zip format of
 PyTorch >= 1.6 or the older non-zip format, in which torchvision's released COCO weights were saved), or an .npz
 with the same keys. PyTorch is not needed: the file's pickle is read by an unpickler that builds nothing but
 NumPy arrays and refuses every other object (a .pth pickle may name any Python function to be called on
@@ -13,7 +15,7 @@ unexpected or mis-shaped key is an error naming it. The number of classes comes 
 
 Output: DIR as training writes a model directory: a checkpoint (DIR/checkpoint, DIR/ckpt-0.*) of
 `tf.train.Checkpoint(model=MaskRCNN, step=0)` and DIR/config.json (the `torchvision` preset, the file's number
-of classes), so `main.py eval|infer|export --model_dir DIR` restore it; and DIR/conversion.json (source,
+of classes and ResNet depth), so `main.py eval|infer|export --model_dir DIR` restore it; and DIR/conversion.json (source,
 batch-norm eps). DIR is written under a temporary name and renamed when complete, so a failed run leaves
 nothing there; an existing DIR is replaced only if this converter wrote it.
 
@@ -51,13 +53,11 @@ from mrcnn_tf2.cli import import_tensorflow
 from mrcnn_tf2.config import Config, ConfigError
 
 tf = import_tensorflow()  # before the model: TensorFlow's start-up as main.py has it
-from mrcnn_tf2.model.backbone import (BLOCKS_PER_GROUP, BN_EPSILON, BOTTLENECK_EXPANSION,  # noqa: E402
-                                      GROUP_FILTERS, STEM_FILTERS)
+from mrcnn_tf2.model.backbone import (BLOCKS_PER_GROUP, BN_EPSILON, BOTTLENECK_DEPTHS,  # noqa: E402
+                                      BOTTLENECK_EXPANSION, GROUP_FILTERS, STEM_FILTERS)
 from mrcnn_tf2.model.factory import BOX_ROI_SIZE, MASK_ROI_SIZE, build_model  # noqa: E402
 
 PRESET = "torchvision"
-# The ResNet depth of that preset (model.backbone), the only one torchvision's maskrcnn_resnet50_fpn has.
-DEPTH = 50
 CONVERSION_FILE = "conversion.json"
 # nn.BatchNorm2d's eps (torchvision builds maskrcnn_resnet50_fpn with it when no pretrained weights are given).
 TORCH_BATCH_NORM_EPS = 1e-5
@@ -400,29 +400,35 @@ class Entry:
 
 
 def torchvision_layout(config):
-    """The Entries of torchvision's maskrcnn_resnet50_fpn for `config` (the preset, with its number of classes),
-    in state-dict order."""
+    """The Entries of torchvision's Mask R-CNN for `config` (the preset, with its number of classes and ResNet
+    depth), in state-dict order."""
     model = config.model
+    depth = int(model.backbone.removeprefix("resnet"))
+    expansion = BOTTLENECK_EXPANSION if depth in BOTTLENECK_DEPTHS else 1
     width, classes, anchors = model.fpn_num_filters, model.num_classes, model.num_anchors
     entries = [Entry(CONV_BN, "backbone.body.conv1", (STEM_FILTERS, 3, 7, 7), ("backbone", "stem"),
                      bn_key="backbone.body.bn1")]
     in_channels = STEM_FILTERS
-    for group, (num_blocks, filters) in enumerate(zip(BLOCKS_PER_GROUP[DEPTH], GROUP_FILTERS)):
-        out_channels = filters * BOTTLENECK_EXPANSION
+    for group, (num_blocks, filters) in enumerate(zip(BLOCKS_PER_GROUP[depth], GROUP_FILTERS)):
+        out_channels = filters * expansion
         for block in range(num_blocks):
             prefix, target = f"backbone.body.layer{group + 1}.{block}", ("backbone", "groups", group, block)
             block_in = in_channels if block == 0 else out_channels
-            shapes = ((filters, block_in, 1, 1), (filters, filters, 3, 3), (out_channels, filters, 1, 1))
+            if expansion == 1:  # BasicBlock
+                shapes = ((filters, block_in, 3, 3), (filters, filters, 3, 3))
+            else:  # Bottleneck
+                shapes = ((filters, block_in, 1, 1), (filters, filters, 3, 3), (out_channels, filters, 1, 1))
             entries += [Entry(CONV_BN, f"{prefix}.conv{i}", shape, target + ("convs", i - 1), bn_key=f"{prefix}.bn{i}")
                         for i, shape in enumerate(shapes, 1)]
-            if block == 0:
+            # A projection where the block changes the stride or the width (not ResNet-18/34's first block).
+            if block == 0 and (group > 0 or in_channels != out_channels):
                 entries.append(Entry(CONV_BN, f"{prefix}.downsample.0", (out_channels, in_channels, 1, 1),
                                      target + ("shortcut",), bn_key=f"{prefix}.downsample.1"))
         in_channels = out_channels
     # FPN blocks i = 0..3 serve ResNet's layer1..layer4, our levels 2..5.
     for i, filters in enumerate(GROUP_FILTERS):
         entries += [
-            Entry(CONV, f"backbone.fpn.inner_blocks.{i}.0", (width, filters * BOTTLENECK_EXPANSION, 1, 1),
+            Entry(CONV, f"backbone.fpn.inner_blocks.{i}.0", (width, filters * expansion, 1, 1),
                   ("fpn", "lateral", i + 2)),
             Entry(CONV, f"backbone.fpn.layer_blocks.{i}.0", (width, width, 3, 3), ("fpn", "output_convs", i + 2)),
         ]
@@ -448,36 +454,33 @@ def torchvision_layout(config):
 
 
 def check_is_mask_rcnn(tensors, path):
-    """Raises ValueError naming the file unless `tensors` holds every part of a torchvision Mask R-CNN with a
-    ResNet-50 backbone (naming the parts missing, or the blocks beyond ResNet-50's). Returns the number of classes, read
-    from the class logits (or the mask logits when those are missing: the full check names the key)."""
+    """Raises ValueError naming the file unless `tensors` holds every part of a torchvision Mask R-CNN on a
+    ResNet of a depth this package builds (naming the parts missing, or the blocks per stage found). Returns
+    (number of classes, ResNet depth): the classes read from the class logits (or the mask logits when those
+    are missing: the full check names the key), the depth from the blocks per stage and whether they are
+    bottlenecks (a conv3)."""
     missing = [f"{prefix.rstrip('.')} ({part})" for prefix, part in PARTS.items()
                if not any(key.startswith(prefix) for key in tensors)]
     if missing:
         tops = sorted({key.split(".")[0] for key in tensors})
         raise ValueError(f"{path}: not a torchvision Mask R-CNN state dict: it has no keys of {', '.join(missing)}; "
                          f"its keys begin with {', '.join(tops) or 'nothing'}")
-    # A deeper ResNet is named as such rather than by its hundreds of unexpected keys; a shallower one's
-    # missing and mis-shaped keys are listed by check_tensors.
     blocks = collections.defaultdict(set)
     for key in tensors:
         match = RESNET_BLOCK.match(key)
         if match:
             blocks[int(match[1])].add(int(match[2]))
-    supported = BLOCKS_PER_GROUP[DEPTH]
-    beyond = [f"backbone.body.layer{layer}.{block}" for layer in sorted(blocks) for block in sorted(blocks[layer])
-              if not 1 <= layer <= len(supported) or block >= supported[layer - 1]]
-    if beyond:
-        counts = tuple(max(blocks[layer], default=-1) + 1 for layer in range(1, max(blocks) + 1))
-        depths = [f"ResNet-{depth}" for depth, known in BLOCKS_PER_GROUP.items() if known == counts]
-        raise ValueError(
-            f"{path}: its ResNet has {counts} blocks per stage ({' or '.join(depths) or 'not a known depth'}); only "
-            f"ResNet-50 {supported} converts, as the {PRESET} preset builds it; blocks beyond ResNet-50's: "
-            f"{', '.join(beyond)}"
-        )
+    counts = tuple(max(blocks[layer], default=-1) + 1 for layer in range(1, max(blocks, default=0) + 1))
+    bottleneck = "backbone.body.layer1.0.conv3.weight" in tensors
+    depths = [depth for depth, known in BLOCKS_PER_GROUP.items()
+              if known == counts and (depth in BOTTLENECK_DEPTHS) == bottleneck]
+    if not depths:
+        known = ", ".join(f"ResNet-{depth} {blocks}" for depth, blocks in BLOCKS_PER_GROUP.items())
+        raise ValueError(f"{path}: its ResNet has {counts} {'bottleneck' if bottleneck else 'basic'} blocks per "
+                         f"stage, which is no depth this package builds ({known})")
     for key, dims in ((CLASS_LOGITS_KEY, 2), (MASK_LOGITS_KEY, 4)):
         if key in tensors and tensors[key].ndim == dims:
-            return int(tensors[key].shape[0])
+            return int(tensors[key].shape[0]), depths[0]
     raise ValueError(f"{path}: the number of classes is unknown: neither {CLASS_LOGITS_KEY} [K, D] nor "
                      f"{MASK_LOGITS_KEY} [K, C, 1, 1] is in it")
 
@@ -504,7 +507,7 @@ def check_tensors(tensors, entries, path, original=None):
     }
     found = [f"{len(keys)} {kind}: {', '.join(keys)}" for kind, keys in problems.items() if keys]
     if found:
-        raise ValueError(f"{path}: does not match torchvision's maskrcnn_resnet50_fpn: {'; '.join(found)}")
+        raise ValueError(f"{path}: does not match torchvision's Mask R-CNN: {'; '.join(found)}")
 
 
 def choose_bn_eps(tensors, entries, path, override=None):
@@ -597,12 +600,14 @@ def _resolve(obj, attributes):
     return obj
 
 
-def torchvision_config(num_classes, output_dir):
-    """Config() with the torchvision preset and `num_classes`: what the model directory's config.json holds."""
+def torchvision_config(num_classes, depth, output_dir):
+    """Config() with the torchvision preset, `num_classes` and ResNet `depth`: what the model directory's
+    config.json holds."""
     config = Config()
     for key, value in presets.values(PRESET).items():
         config.set(key, value)
     config.set("model.num_classes", num_classes)
+    config.set("model.backbone", f"resnet{depth}")
     config.set("runtime.model_dir", output_dir)
     config.validate()
     return config
@@ -689,9 +694,9 @@ def convert_file(path, output_dir, bn_eps=None):
         raise ValueError(f"--bn_eps {bn_eps}: must be a finite number >= 0")
     check_output_dir(output_dir)
     tensors, original = current_spellings(read_state_dict(path), path)
-    num_classes = check_is_mask_rcnn(tensors, path)
+    num_classes, depth = check_is_mask_rcnn(tensors, path)
     try:
-        config = torchvision_config(num_classes, output_dir)
+        config = torchvision_config(num_classes, depth, output_dir)
     except ConfigError as err:  # e.g. fewer than 2 classes
         raise ValueError(f"{path}: {err}") from None
     entries = torchvision_layout(config)
@@ -701,7 +706,8 @@ def convert_file(path, output_dir, bn_eps=None):
     model = build_model_variables(config)
     assign_weights(model, converted)
     used = sum(len(entry.torch_shapes()) for entry in entries)
-    metadata = {"source": os.path.basename(path), "num_classes": config.model.num_classes, "tensors": used,
+    metadata = {"source": os.path.basename(path), "num_classes": config.model.num_classes,
+                "backbone": config.model.backbone, "tensors": used,
                 "ignored": len(tensors) - used, "bn_eps": eps, "bn_eps_rule": rule}
     write_model_dir(model, config, output_dir, metadata)
     return metadata
@@ -710,7 +716,7 @@ def convert_file(path, output_dir, bn_eps=None):
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True,
-                        help="torch.save(model.state_dict()) of maskrcnn_resnet50_fpn (.pth), or an .npz of its keys")
+                        help="torch.save(model.state_dict()) of a torchvision Mask R-CNN (.pth), or an .npz of its keys")
     parser.add_argument("--output_dir", required=True,
                         help="model directory to write (checkpoint, config.json), for main.py --model_dir")
     parser.add_argument("--bn_eps", type=float, default=None,
