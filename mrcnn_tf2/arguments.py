@@ -15,7 +15,7 @@ import glob
 import os
 
 from mrcnn_tf2 import presets
-from mrcnn_tf2.config import (BACKBONES, CUSTOM_OPS_MODES, MODEL_DEFINING_KEYS, PER_COMMAND_KEYS,
+from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, MODEL_DEFINING_KEYS, PER_COMMAND_KEYS,
                               PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, Config, ConfigError, field_paths,
                               load_saved_config)
 from mrcnn_tf2.status import BAD_INPUT
@@ -73,12 +73,20 @@ _FLAGS = {
     ),
     "xla": (
         "runtime.xla",
-        dict(action="store_true", help="XLA-compile the learned layers (the custom ops run between them)"),
+        dict(action="store_true",
+             help="XLA-compile the learned layers, each on its own (the custom ops run between them); also under "
+                  "--eagerly"),
     ),
     "amp": (
         "runtime.amp",
         dict(action="store_true",
-             help="mixed precision: float16 on GPU; bfloat16 on a CPU with bfloat16 instructions, else float32"),
+             help="mixed precision in the dtype of --amp_dtype"),
+    ),
+    "amp_dtype": (
+        "runtime.amp_dtype",
+        dict(choices=AMP_DTYPES,
+             help="--amp's dtype: float16 (with dynamic loss scaling in training; slow on a CPU), bfloat16, or "
+                  "auto: float16 on a GPU, bfloat16 on a CPU with bfloat16 instructions, else float32"),
     ),
     "log_file": ("runtime.log_file", dict(help="JSON-lines log (None: <model_dir>/log.jsonl)")),
     "checkpoint_every": (
@@ -91,10 +99,26 @@ _FLAGS = {
         "runtime.log_warmup_steps",
         dict(type=int, help="steps left out of throughput figures"),
     ),
-    "log_graph": ("runtime.log_graph", dict(action="store_true", help="log the traced step's graph")),
+    "log_graph": (
+        "runtime.log_graph",
+        dict(action="store_true",
+             help="train: write the traced update step's graph for TensorBoard's Graphs tab, once before the first "
+                  "step, into --log_tensorboard (None: <model_dir>/tensorboard); none under --eagerly (a warning)"),
+    ),
     "log_tensorboard": ("runtime.log_tensorboard", dict(help="TensorBoard summary directory (None: none)")),
-    "verbose": ("runtime.verbose", dict(action="store_true", help="more detailed console output")),
-    "eagerly": ("runtime.eagerly", dict(action="store_true", help="run the step eagerly (debugging)")),
+    "verbose": (
+        "runtime.verbose",
+        dict(action="store_true",
+             help="show TensorFlow's own log, hidden by default: its C++ INFO and WARNING lines "
+                  "(TF_CPP_MIN_LOG_LEVEL 0 instead of 2; a value set in the environment wins), its start-up "
+                  "lines, and its Python logger's INFO lines"),
+    ),
+    "eagerly": (
+        "runtime.eagerly",
+        dict(action="store_true",
+             help="debugging: run the train and predict steps op by op, without tf.function; --xla still compiles "
+                  "the learned layers (--config_override runtime.xla=false to step into them)"),
+    ),
     "backbone": ("model.backbone", dict(choices=BACKBONES, help="ResNet depth of the backbone")),
     "image_size": (
         "data.image_size",
@@ -137,7 +161,12 @@ _FLAGS = {
     "export_dir": ("export.export_dir", dict(help="SavedModel directory (None: <model_dir>/saved_model)")),
     "custom_ops": (
         "runtime.custom_ops",
-        dict(choices=CUSTOM_OPS_MODES, help="fused C++ ops: auto (when built), on (required), off (pure TF)"),
+        dict(choices=CUSTOM_OPS_MODES,
+             help="fused C++ ops, which have CPU kernels only. auto: on a CPU, all of them when built (and the "
+                  "CPU conv routes: Winograd's 3x3, oneDNN's batch-of-one routes, the matrix-product kernel "
+                  "gradient); on a GPU, cuDNN convs and the pure-TF twins in the model, the fused ops only in "
+                  "the input pipeline and the mask encoding. on: all of them, required (an error on a GPU). "
+                  "off: the pure-TF twins (the convs still follow the device). The choice is printed at start"),
     ),
 }
 

@@ -7,6 +7,7 @@ parsing the flags and before importing anything that imports TensorFlow; the par
 import contextlib
 import importlib
 import json
+import logging
 import os
 import re
 import sys
@@ -59,35 +60,38 @@ def quiet_tensorflow_start(enabled=True):
             sys.stderr.flush()
 
 
-def set_tensorflow_environment(onednn=None, environ=os.environ):
+def set_tensorflow_environment(onednn=None, environ=os.environ, verbose=False):
     """Sets TensorFlow's start-up variables in `environ`, unless the user set them (or `onednn` is given).
 
     TF_CPP_MIN_LOG_LEVEL=2: TensorFlow's C++ info and warning lines drown the progress display; 0 shows
-    them.
+    them, and is the rule with `verbose` (--verbose), which asks for them.
     TF_ENABLE_ONEDNN_OPTS: oneDNN's CPU kernels on, on every CPU. TensorFlow's own default is on only for
     CPUs with AVX-512 VNNI or bfloat16 instructions; oneDNN (with the model's own kernel gradients) measured
     faster on both kinds (docs/PERFORMANCE.md, "oneDNN"). `onednn` ('on' / 'off', the --onednn flag) wins
     over the user's variable.
 
-    Returns whether the user had set TF_CPP_MIN_LOG_LEVEL: then main shows TensorFlow's start-up lines as
-    they come (see quiet_tensorflow_start).
+    Returns whether TensorFlow's start-up lines are to be shown as they come (see quiet_tensorflow_start):
+    when the user set TF_CPP_MIN_LOG_LEVEL, or with `verbose`.
     """
     user_log_level = "TF_CPP_MIN_LOG_LEVEL" in environ
-    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else "2")
     if onednn is not None:
         environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if onednn == "on" else "0"
     environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
-    return user_log_level
+    return user_log_level or verbose
 
 
-def import_tensorflow(onednn=None):
+def import_tensorflow(onednn=None, verbose=False):
     """TensorFlow, as every command of the package starts it: environment set (set_tensorflow_environment),
     imported and its devices initialised (CUDA's probing happens there) with the start-up noise held back
-    (quiet_tensorflow_start). Returns the `tensorflow` module."""
-    with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn)):
+    (quiet_tensorflow_start); with `verbose`, nothing held back and TensorFlow's Python logger at INFO.
+    Returns the `tensorflow` module."""
+    with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn, verbose=verbose)):
         import tensorflow as tf
 
         tf.config.list_physical_devices()
+    if verbose:
+        tf.get_logger().setLevel(logging.INFO)
     return tf
 
 
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"main.py: error: {err}", file=sys.stderr)
         return status.BAD_INPUT
-    import_tensorflow(args.onednn)
+    import_tensorflow(args.onednn, config.runtime.verbose)
     runner = importlib.import_module(RUNNERS[args.mode])
     from mrcnn_tf2.ops.fused import CustomOpsUnavailable
 

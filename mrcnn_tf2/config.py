@@ -299,22 +299,32 @@ class RuntimeConfig:
     """Where outputs go, how the step is compiled, what is logged and measured."""
 
     model_dir: str = "/results"
-    # Mixed precision: float16 on GPU; bfloat16 on a CPU with bfloat16 instructions, else float32 (warned).
+    # Mixed precision in the dtype of amp_dtype.
     amp: bool = False
+    # auto: float16 (loss-scaled) on a GPU; bfloat16 on a CPU with bfloat16 instructions, else float32 (warned).
+    amp_dtype: str = "auto"
     # XLA-compile the learned layers (backbone, FPN, heads); the non-learned stages and custom ops run between.
+    # Also under eagerly: each layer is its own compiled function, not part of the traced step.
     xla: bool = False
-    # Run the step eagerly (debugging).
+    # Debugging: the train and predict steps run op by op, without tf.function (the xla layers stay compiled).
     eagerly: bool = False
-    # Fused C++ ops: auto uses them when built, on requires them, off uses the pure-TF twins.
+    # Fused C++ ops (CPU kernels only): auto uses them when built, on requires them, off uses the pure-TF
+    # twins. On a GPU, auto keeps them out of the model (cuDNN convs, pure-TF stages) and uses them only in
+    # the input pipeline and the mask encoding, which run on the host; on is an error there
+    # (model.factory.choose_ops, which also picks the convs' CPU routes on a CPU).
     custom_ops: str = "auto"
     # JSON-lines log; None writes <model_dir>/log.jsonl.
     log_file: Optional[str] = None
     log_every: int = 100
     # Steps excluded from throughput figures (tracing, allocator warm-up).
     log_warmup_steps: int = 100
+    # Training writes the traced update step's graph to log_tensorboard (None: <model_dir>/tensorboard) before
+    # the first step; under eagerly there is no traced step, and a warning says so.
     log_graph: bool = False
     # Directory for TensorBoard summaries; None writes none.
     log_tensorboard: Optional[str] = None
+    # TensorFlow's own log shown: C++ INFO/WARNING (TF_CPP_MIN_LOG_LEVEL=0 unless set), start-up lines, Python
+    # logger at INFO (cli.import_tensorflow).
     verbose: bool = False
     # Steps between checkpoints (one is also written at each epoch end and when training ends).
     checkpoint_every: int = 1000
@@ -426,6 +436,8 @@ class Config:
             raise ConfigError("--learning_rate_boundaries", f"{list(boundaries)} must be increasing and >= 0")
         if self.model.backbone not in BACKBONES:
             raise ConfigError("--backbone", f"'{self.model.backbone}' is not one of {', '.join(BACKBONES)}")
+        if self.runtime.amp_dtype not in AMP_DTYPES:
+            raise ConfigError("--amp_dtype", f"'{self.runtime.amp_dtype}' is not one of {AMP_DTYPES}")
         if self.runtime.custom_ops not in CUSTOM_OPS_MODES:
             raise ConfigError("--custom_ops", f"'{self.runtime.custom_ops}' is not one of {CUSTOM_OPS_MODES}")
         train = self.train
@@ -506,6 +518,7 @@ PER_COMMAND_SECTIONS = ("infer.", "export.")
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
+AMP_DTYPES = ("auto", "float16", "bfloat16")
 MASK_PASTES = ("exact", "torchvision")
 JPEG_DCT_METHODS = ("", "INTEGER_FAST", "INTEGER_ACCURATE")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

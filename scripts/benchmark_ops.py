@@ -142,7 +142,7 @@ def conv_cases(rng):
             def run():
                 with tf.GradientTape() as tape:
                     tape.watch([x, kernel])
-                    y = conv_ops.conv2d(x, kernel, fused=on)
+                    y = conv_ops.conv2d(x, kernel, route=conv_ops.WINOGRAD if on else conv_ops.CPU)
                 return tape.gradient(y, [x, kernel], output_gradients=y) if backward else y
             return tf.function(run)
         cases.append((name, make(False), make(True)))

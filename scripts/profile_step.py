@@ -60,7 +60,7 @@ def train_step(config):
     batch = next(iter(trainer.dataset(0)))
     trainer.build(batch)
     update = trainer.update_function()
-    return lambda: {name: value.numpy() for name, value in update([batch]).items()}
+    return lambda: {name: value.numpy() for name, value in update([batch])[0].items()}
 
 
 def predict_step(config):

@@ -498,6 +498,12 @@ def test_tensorflow_environment_follows_the_rule_the_users_variables_and_onednn_
     assert environ == expected
 
 
+@pytest.mark.parametrize("environ, expected", [({}, "0"), ({"TF_CPP_MIN_LOG_LEVEL": "3"}, "3")])
+def test_verbose_shows_tensorflows_info_lines_unless_the_user_set_the_level(environ, expected):
+    assert cli.set_tensorflow_environment(None, environ, verbose=True) is True  # start-up lines shown as they come
+    assert environ["TF_CPP_MIN_LOG_LEVEL"] == expected
+
+
 def test_start_up_is_quiet_unless_the_user_sets_tensorflows_log_level(tmp_path):
     # export of a model_dir without a checkpoint: TensorFlow starts, then the run stops with one error line.
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}

@@ -104,7 +104,9 @@ def test_factory_passes_the_choice_to_the_stages():
                                     ("on", True, True, False)]:
         config.runtime.custom_ops, config.runtime.xla = mode, xla
         ops = choose_ops(config, export=export)
-        assert (ops.fused, ops.fused_convs, ops.jit_dense) == (want, want and not xla, xla and not export)
+        winograd = conv_ops.WINOGRAD if want and not xla else conv_ops.CPU
+        assert (ops.device, ops.fused, ops.fused_host, ops.conv_route, ops.jit_dense) == (
+            "CPU", want, want, winograd, xla and not export)
         # The input pipeline's anchor labelling and the mask encoding follow the same choice.
         assert ops.rpn_targets is (fused.rpn_targets if want else anchor_ops.rpn_targets)
         assert ops.mask_encoder is (fused.encode_pasted_masks if want else masks.encode_pasted_masks)
@@ -116,7 +118,7 @@ def test_factory_passes_the_choice_to_the_stages():
         # The convs' fused ops would be inside the layers that --xla compiles: off there.
         convs = (model.backbone, model.backbone.groups[0][0].convs[1], model.fpn, model.fpn.output_convs[2],
                  model.rpn_head.conv, model.mask_head.convs[0])
-        assert [layer.fused for layer in convs] == [want and not xla] * len(convs)
+        assert [layer.conv_route for layer in convs] == [winograd] * len(convs)
 
 
 # -- 3x3 convolution (Winograd) ----------------------------------------------------------------------------
@@ -150,18 +152,20 @@ def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 36 * 4 * 4 * 3 * 2)  # two images' tiles per part
     split = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
     assert sum(op.type == "MrcnnWinogradInput" for op in split.graph.get_operations()) == 3  # 2 + 2 + 1
-    np.testing.assert_array_equal(split(x, w).numpy(), whole)
+    # Not bit for bit: oneDNN's matrix product between the transforms may block a part's smaller batch
+    # differently (seen on an AVX2 CPU), which changes float32 rounding only.
+    np.testing.assert_allclose(split(x, w).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
 @pytest.mark.onednn
 def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
-    """conv_ops.conv2d(fused=True): Winograd for the forward and the input gradient; tf.nn.conv2d's values."""
+    """conv_ops.conv2d by route WINOGRAD: Winograd for the forward and the input gradient; tf.nn.conv2d's values."""
     monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # the route at this small size too
     x = tf.constant(rng.normal(size=(2, 10, 7, 6)), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, 6, 5)), tf.float32)
     b = tf.constant(rng.normal(size=5), tf.float32)
     results = []
-    for conv in (lambda: conv_ops.conv2d(x, w, bias=b, relu=True, fused=True),
+    for conv in (lambda: conv_ops.conv2d(x, w, bias=b, relu=True, route=conv_ops.WINOGRAD),
                  lambda: tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME") + b)):
         with tf.GradientTape() as tape:
             tape.watch([x, w, b])
@@ -181,13 +185,14 @@ def test_conv2d_takes_winograd_only_where_it_pays(monkeypatch):
     kernel = tf.zeros([3, 3, 2, 2])
     blocks = conv_ops.WINOGRAD_MIN_TILES
     big, small = tf.zeros([blocks, 4, 4, 2]), tf.zeros([blocks - 1, 4, 4, 2])
-    conv_ops.conv2d(big, kernel, fused=True)
-    for args, kwargs in [((small, kernel), {}), ((big, kernel), {"fused": False}),
+    conv_ops.conv2d(big, kernel, route=conv_ops.WINOGRAD)
+    for args, kwargs in [((small, kernel), {}), ((big, kernel), {"route": conv_ops.CPU}),
+                         ((big, kernel), {"route": conv_ops.CUDNN}),
                          ((big, kernel, 1, "VALID"), {}), ((big[:, :3], kernel, 2), {}),
                          ((tf.cast(big, tf.bfloat16), tf.cast(kernel, tf.bfloat16)), {}),
                          ((big, tf.zeros([1, 1, 2, 2])), {})]:
-        conv_ops.conv2d(*args, **{"fused": True, **kwargs})
-    tf.function(lambda x: conv_ops.conv2d(x, kernel, fused=True),
+        conv_ops.conv2d(*args, **{"route": conv_ops.WINOGRAD, **kwargs})
+    tf.function(lambda x: conv_ops.conv2d(x, kernel, route=conv_ops.WINOGRAD),
                 input_signature=[tf.TensorSpec([None, 4, 4, 2])]).get_concrete_function()
     assert calls == [big.shape, tf.TensorShape([None, 4, 4, 2])]
 

@@ -126,8 +126,8 @@ def test_accumulated_update_equals_one_update_on_the_larger_batch():
     for source, target in zip(large.model.weights, accumulated.model.weights):
         target.assign(source)
     initial = [v.numpy() for v in large.model.trainable_variables]
-    losses_large = large.update_function()([batch])
-    losses_accumulated = accumulated.update_function()(halves)
+    losses_large, _ = large.update_function()([batch])
+    losses_accumulated, _ = accumulated.update_function()(halves)
     assert float(losses_accumulated["loss_total"]) == pytest.approx(float(losses_large["loss_total"]), rel=1e-4)
     for a, b in zip(large.model.trainable_variables, accumulated.model.trainable_variables):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-7, err_msg=a.path)
@@ -393,7 +393,7 @@ def test_clip_grad_norm_scales_the_unscaled_update_to_the_norm(monkeypatch, poli
     """SGD's first update is -lr * g: clipped to c, it must be -lr * g * c / |g|, whatever the loss scale
     (under mixed_float16 the LossScaleOptimizer's gradients are 2**15 times larger until it unscales them).
     A large rate makes the updates large against the float32 rounding of the weights they are read from."""
-    def set_policy(amp):
+    def set_policy(amp, amp_dtype="auto"):
         keras.mixed_precision.set_global_policy(policy)
         return policy
 
@@ -424,3 +424,15 @@ def test_clip_grad_norm_scales_the_unscaled_update_to_the_norm(monkeypatch, poli
     if policy == "float32":  # float16 gradients of two runs differ in rounding: only their norm is exact
         for unclipped, clipped in zip(*deltas):
             np.testing.assert_allclose(clipped, unclipped / 4, rtol=1e-3, atol=1e-6 * rate)
+
+
+def test_no_readable_checkpoint_names_the_cause_of_each(tmp_path):
+    from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper
+
+    CheckpointKeeper(str(tmp_path), 2, weights=tf.Variable([1.0, 2.0])).save(1)
+    keeper = CheckpointKeeper(str(tmp_path), 2, weights=tf.Variable([1.0, 2.0, 3.0]))
+    with pytest.raises(RuntimeError) as raised:
+        keeper.restore_latest()
+    message = str(raised.value)
+    assert message.startswith(f"no readable checkpoint in {tmp_path}: tried {tmp_path}/ckpt-1 (")
+    assert "shape (2,)" in message and "shape (3,)" in message, message

@@ -54,24 +54,24 @@ def he_normal_fan_out():
 class Conv2D(keras.layers.Conv2D):
     """keras.layers.Conv2D (NHWC, equal strides, no dilation) computed by conv_ops.conv2d.
 
-    `fused`: conv_ops.conv2d's Winograd route for a 3x3 kernel (the fused-op library must be loadable).
+    `conv_route`: conv_ops.conv2d's route (conv_ops.ROUTES; WINOGRAD needs the fused-op library).
     call(inputs [B, H, W, C_in], residual=None) -> [B, H_out, W_out, filters]; `residual` (that shape) is
     added before the activation, in the block oneDNN fuses (the FPN's top-down sum).
     """
 
-    def __init__(self, *args, fused=False, **kwargs):
+    def __init__(self, *args, conv_route=conv_ops.CPU, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fused = fused
+        self.conv_route = conv_route
 
     def call(self, inputs, residual=None):
         relu = self.activation is keras.activations.relu
         outputs = conv_ops.conv2d(inputs, self.kernel, self.strides[0], self.padding.upper(),
                                   bias=self.bias if self.use_bias else None, residual=residual, relu=relu,
-                                  fused=self.fused)
+                                  route=self.conv_route)
         return outputs if relu or self.activation is None else self.activation(outputs)
 
     def get_config(self):
-        return {**super().get_config(), "fused": self.fused}
+        return {**super().get_config(), "conv_route": self.conv_route}
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")
@@ -90,13 +90,13 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
     residual block, kept here so that Conv + BiasAdd + Add + ReLU stay adjacent for the fusion.
     """
 
-    def __init__(self, filters, kernel_size, strides=1, relu=True, fused=False, **kwargs):
+    def __init__(self, filters, kernel_size, strides=1, relu=True, conv_route=conv_ops.CPU, **kwargs):
         super().__init__(autocast=False, **kwargs)
         self.filters = filters
         self.kernel_size = kernel_size
         self.strides = strides
         self.relu = relu
-        self.fused = fused
+        self.conv_route = conv_route
         self.conv = keras.layers.Conv2D(
             filters, kernel_size, strides=strides, padding="same", use_bias=False,
             kernel_initializer=he_normal_fan_out(), name=f"{self.name}_conv",
@@ -123,7 +123,7 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         kernel = self.conv.kernel
         if training and self.bn.trainable:
             x = self.bn(conv_ops.conv2d(x, tf.cast(kernel, self.compute_dtype), self.strides, self._padding,
-                                        fused=self.fused), training=True)
+                                        route=self.conv_route), training=True)
             if residual is not None:
                 x = x + residual
             return tf.nn.relu(x) if self.relu else x
@@ -131,12 +131,12 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         bias = self.bn.beta - self.bn.moving_mean * scale
         return conv_ops.conv2d(x, tf.cast(kernel * scale, self.compute_dtype), self.strides, self._padding,
                                bias=tf.cast(bias, self.compute_dtype), residual=residual, relu=self.relu,
-                               fused=self.fused)
+                               route=self.conv_route)
 
     def get_config(self):
         config = super().get_config()
         config.update(filters=self.filters, kernel_size=self.kernel_size, strides=self.strides, relu=self.relu,
-                      fused=self.fused)
+                      conv_route=self.conv_route)
         return config
 
 
@@ -152,14 +152,14 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
     call(inputs [B, H, W, C_in], training=None) -> [B, H / strides, W / strides, C_out] in the compute dtype.
     """
 
-    def __init__(self, filters, strides, bottleneck, stride_in_1x1, projection, fused=False, **kwargs):
+    def __init__(self, filters, strides, bottleneck, stride_in_1x1, projection, conv_route=conv_ops.CPU, **kwargs):
         super().__init__(**kwargs)
         self.filters = filters
         self.strides = strides
         self.bottleneck = bottleneck
         self.stride_in_1x1 = stride_in_1x1
         self.projection = projection
-        self.fused = fused
+        self.conv_route = conv_route
         out_filters = filters * BOTTLENECK_EXPANSION if bottleneck else filters
         if bottleneck:
             stride_1x1, stride_3x3 = (strides, 1) if stride_in_1x1 else (1, strides)
@@ -167,9 +167,9 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
         else:
             specs = [(filters, 3, strides), (filters, 3, 1)]
         # The last conv's ReLU comes after the shortcut is added (ConvBN's `residual`).
-        self.convs = [ConvBN(f, k, s, fused=fused, name=f"{self.name}_{i}")
+        self.convs = [ConvBN(f, k, s, conv_route=conv_route, name=f"{self.name}_{i}")
                       for i, (f, k, s) in enumerate(specs, 1)]
-        self.shortcut = (ConvBN(out_filters, 1, strides, relu=False, fused=fused, name=f"{self.name}_0")
+        self.shortcut = (ConvBN(out_filters, 1, strides, relu=False, conv_route=conv_route, name=f"{self.name}_0")
                          if projection else None)
 
     def call(self, inputs, training=None):
@@ -183,7 +183,7 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
         config = super().get_config()
         config.update(
             filters=self.filters, strides=self.strides, bottleneck=self.bottleneck,
-            stride_in_1x1=self.stride_in_1x1, projection=self.projection, fused=self.fused,
+            stride_in_1x1=self.stride_in_1x1, projection=self.projection, conv_route=self.conv_route,
         )
         return config
 
@@ -199,7 +199,7 @@ class ResNet(TracksSublayers, keras.Model):
         not trainable: the small per-device batches of detection training give poor batch statistics.
       freeze_blocks: block-group indices whose layers are not trainable (and whose BN is therefore frozen
         too): 0 the stem (conv1), 1 conv2_x, 2 conv3_x, 3 conv4_x, 4 conv5_x.
-      fused: the 3x3 stride-1 convs run Winograd's fused ops (conv_ops.conv2d).
+      conv_route: conv_ops.conv2d's route for every conv (conv_ops.ROUTES; the factory picks it per device).
 
     call(images, training=None):
       images: [B, H, W, 3] float, H and W multiples of 32 (any size works; then strides round up).
@@ -207,7 +207,8 @@ class ResNet(TracksSublayers, keras.Model):
       (64/128/256/512 for depths 18/34, four times that for 50/101) in the policy's compute dtype.
     """
 
-    def __init__(self, depth=50, stride_in_1x1=False, freeze_bn=True, freeze_blocks=(0, 1), fused=False, **kwargs):
+    def __init__(self, depth=50, stride_in_1x1=False, freeze_bn=True, freeze_blocks=(0, 1), conv_route=conv_ops.CPU,
+                 **kwargs):
         super().__init__(**kwargs)
         if depth not in BLOCKS_PER_GROUP:
             raise ValueError(f"ResNet depth {depth} is not one of {sorted(BLOCKS_PER_GROUP)}")
@@ -218,9 +219,9 @@ class ResNet(TracksSublayers, keras.Model):
         self.stride_in_1x1 = bool(stride_in_1x1)
         self.freeze_bn = bool(freeze_bn)
         self.freeze_blocks = freeze_blocks
-        self.fused = fused
+        self.conv_route = conv_route
         bottleneck = depth in BOTTLENECK_DEPTHS
-        self.stem = ConvBN(STEM_FILTERS, 7, strides=2, fused=fused, name="conv1")
+        self.stem = ConvBN(STEM_FILTERS, 7, strides=2, conv_route=conv_route, name="conv1")
         self.groups = []
         in_filters = STEM_FILTERS
         for g, (num_blocks, filters) in enumerate(zip(BLOCKS_PER_GROUP[depth], GROUP_FILTERS), 1):
@@ -229,7 +230,7 @@ class ResNet(TracksSublayers, keras.Model):
             self.groups.append([
                 ResidualBlock(
                     filters, strides if b == 1 else 1, bottleneck, self.stride_in_1x1,
-                    projection=b == 1 and (strides != 1 or in_filters != out_filters), fused=fused,
+                    projection=b == 1 and (strides != 1 or in_filters != out_filters), conv_route=conv_route,
                     name=f"conv{g + 1}_block{b}",
                 )
                 for b in range(1, num_blocks + 1)
@@ -265,6 +266,6 @@ class ResNet(TracksSublayers, keras.Model):
         config = super().get_config()
         config.update(
             depth=self.depth, stride_in_1x1=self.stride_in_1x1, freeze_bn=self.freeze_bn,
-            freeze_blocks=list(self.freeze_blocks), fused=self.fused,
+            freeze_blocks=list(self.freeze_blocks), conv_route=self.conv_route,
         )
         return config

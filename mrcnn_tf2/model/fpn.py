@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.model.backbone import Conv2D
 from mrcnn_tf2.model.tracking import TracksSublayers
+from mrcnn_tf2.ops import conv as conv_ops
 
 # The backbone's finest and coarsest levels (C2 at stride 4, C5 at stride 32).
 BACKBONE_MIN_LEVEL = 2
@@ -48,7 +49,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
       min_level: finest output level, in [2, 5].
       max_level: coarsest output level, >= 5; levels above 5 are stride-2 subsamplings.
       num_filters: width of every output map.
-      fused: the 3x3 output convs run Winograd's fused ops (conv_ops.conv2d).
+      conv_route: conv_ops.conv2d's route for every conv (conv_ops.ROUTES; the factory picks it per device).
 
     call(features, training=None):
       features: {level: [B, H / 2**level, W / 2**level, C_level]} for levels min_level..5 (others ignored);
@@ -57,7 +58,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
       compute dtype (levels above 5: ceil of the size below / 2).
     """
 
-    def __init__(self, min_level=2, max_level=6, num_filters=256, fused=False, **kwargs):
+    def __init__(self, min_level=2, max_level=6, num_filters=256, conv_route=conv_ops.CPU, **kwargs):
         super().__init__(**kwargs)
         if not BACKBONE_MIN_LEVEL <= min_level <= BACKBONE_MAX_LEVEL:
             raise ValueError(f"FPN min_level {min_level} must be in [{BACKBONE_MIN_LEVEL}, {BACKBONE_MAX_LEVEL}]")
@@ -66,9 +67,9 @@ class FPN(TracksSublayers, keras.layers.Layer):
         self.min_level = min_level
         self.max_level = max_level
         self.num_filters = num_filters
-        self.fused = fused
+        self.conv_route = conv_route
         levels = range(min_level, BACKBONE_MAX_LEVEL + 1)
-        conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros", fused=fused)
+        conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros", conv_route=conv_route)
         self.lateral = {level: Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
                         for level in levels}
         self.output_convs = {level: Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}", **conv)
@@ -95,5 +96,5 @@ class FPN(TracksSublayers, keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(min_level=self.min_level, max_level=self.max_level, num_filters=self.num_filters,
-                      fused=self.fused)
+                      conv_route=self.conv_route)
         return config

@@ -22,6 +22,7 @@ import tensorflow as tf
 from mrcnn_tf2.model.backbone import Conv2D, he_normal_fan_out
 from mrcnn_tf2.model.fpn import xavier_fill
 from mrcnn_tf2.model.tracking import TracksSublayers
+from mrcnn_tf2.ops import conv as conv_ops
 
 RPN_INIT_STDDEV = 0.01
 CLASS_INIT_STDDEV = 0.01
@@ -43,7 +44,7 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
     Args:
       num_anchors: A, anchors per feature-map cell.
       num_filters: width of the shared 3x3 conv.
-      fused: that conv runs Winograd's fused ops (conv_ops.conv2d).
+      conv_route: conv_ops.conv2d's route for its convs (conv_ops.ROUTES; the factory picks it per device).
 
     call(features, training=None):
       features: {level: [B, H_l, W_l, C]} FPN maps.
@@ -53,22 +54,22 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
       generator orders a cell's anchors the same way.
     """
 
-    def __init__(self, num_anchors, num_filters=256, fused=False, **kwargs):
+    def __init__(self, num_anchors, num_filters=256, conv_route=conv_ops.CPU, **kwargs):
         super().__init__(**kwargs)
         self.num_anchors = num_anchors
         self.num_filters = num_filters
-        self.fused = fused
+        self.conv_route = conv_route
+        conv = dict(bias_initializer="zeros", conv_route=conv_route)
         self.conv = Conv2D(
             num_filters, 3, padding="same", activation="relu", kernel_initializer=_normal(RPN_INIT_STDDEV),
-            bias_initializer="zeros", fused=fused, name="rpn_conv",
+            name="rpn_conv", **conv,
         )
         self.score_conv = Conv2D(
-            num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
-            dtype="float32", name="rpn_scores",
+            num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), dtype="float32", name="rpn_scores", **conv,
         )
         self.box_conv = Conv2D(
-            BOX_CODE_SIZE * num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), bias_initializer="zeros",
-            dtype="float32", name="rpn_boxes",
+            BOX_CODE_SIZE * num_anchors, 1, kernel_initializer=_normal(RPN_INIT_STDDEV), dtype="float32",
+            name="rpn_boxes", **conv,
         )
 
     def build(self, input_shape):
@@ -88,7 +89,7 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(num_anchors=self.num_anchors, num_filters=self.num_filters, fused=self.fused)
+        config.update(num_anchors=self.num_anchors, num_filters=self.num_filters, conv_route=self.conv_route)
         return config
 
 
@@ -178,7 +179,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
       num_classes: K, background included (its logits column is read only for padded slots).
       num_filters: width of the convs and the transposed conv.
       num_convs: number of 3x3 convs.
-      fused: they run Winograd's fused ops (conv_ops.conv2d).
+      conv_route: conv_ops.conv2d's route for the 3x3 convs (conv_ops.ROUTES; the factory picks it per device).
 
     call((roi_features, classes), training=None):
       roi_features: [B, N, S, S, C] RoIAlign output (S = 14 in Mask R-CNN).
@@ -189,15 +190,16 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
       Reshape trail: [B, N, S, S, C] -> [B*N, S, S, C] -> convs -> [B*N, 2S, 2S, C] -> [B, N, 2S, 2S].
     """
 
-    def __init__(self, num_classes, num_filters=256, num_convs=4, fused=False, **kwargs):
+    def __init__(self, num_classes, num_filters=256, num_convs=4, conv_route=conv_ops.CPU, **kwargs):
         super().__init__(**kwargs)
         self.num_classes = num_classes
         self.num_filters = num_filters
         self.num_convs = num_convs
-        self.fused = fused
+        self.conv_route = conv_route
         init = dict(kernel_initializer=he_normal_fan_out(), bias_initializer="zeros")
         self.convs = [
-            Conv2D(num_filters, 3, padding="same", activation="relu", fused=fused, name=f"mask_conv{i}", **init)
+            Conv2D(num_filters, 3, padding="same", activation="relu", conv_route=conv_route, name=f"mask_conv{i}",
+                   **init)
             for i in range(1, num_convs + 1)
         ]
         self.deconv = keras.layers.Conv2DTranspose(
@@ -232,7 +234,7 @@ class MaskHead(TracksSublayers, keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(num_classes=self.num_classes, num_filters=self.num_filters, num_convs=self.num_convs,
-                      fused=self.fused)
+                      conv_route=self.conv_route)
         return config
 
 

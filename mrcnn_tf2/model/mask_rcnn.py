@@ -195,16 +195,17 @@ class MaskRCNN(TracksSublayers, keras.Model):
     def compute_gradients(self, data, loss_multiplier=1.0):
         """(losses, gradients of loss_total * loss_multiplier w.r.t. trainable_variables).
 
-        The gradients are of the optimizer-scaled loss (the identity unless the optimizer is a
-        LossScaleOptimizer, under mixed_float16); its apply_gradients unscales them.
+        Under mixed_float16 the multiplier carries the loss scale (`optimizer.scale_loss(1.0)`), which the
+        LossScaleOptimizer's apply_gradients divides out again.
         """
         with tf.GradientTape() as tape:
             losses = self.compute_losses(data, self.forward_train(data, training=True))
-            scaled = self.optimizer.scale_loss(losses["loss_total"] * loss_multiplier)
+            scaled = losses["loss_total"] * loss_multiplier
         return losses, tape.gradient(scaled, self.trainable_variables)
 
     def train_step(self, data):
-        losses, gradients = self.compute_gradients(data)
+        # Keras's compile wraps the optimizer in a LossScaleOptimizer under mixed_float16.
+        losses, gradients = self.compute_gradients(data, self.optimizer.scale_loss(1.0))
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         return losses
 

@@ -20,12 +20,22 @@ reshape, and runs in oneDNN's batch kernel with the bias, residual and ReLU fuse
 the transposed route leaves them as separate passes over memory); 64->256 + residual + ReLU on 208x336
 went from 42 to 36 ms.
 
-With the fused ops on (`fused=True`, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
+With the fused ops on (route WINOGRAD, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
 WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix products over the 4x4 output blocks do the
 work of the 144 of a direct conv, and the input gradient, the conv of the flipped kernel, goes the same
 way. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask head's convs over
 100 RoIs 72 ms against 121 ms. Its rounding differs from a direct conv's by about 1e-5 of the output's
 scale.
+
+All of the above answers a CPU's kernels. The fused ops have CPU kernels only: on a GPU they would run on
+the host, their tensors copied there and back. The oneDNN routes and the matrix-product gradient were
+measured against oneDNN's kernels only, and cost extra passes over memory (a flipped kernel, halves, one
+product per tap); a GPU runs cuDNN's own kernels instead. `conv2d`'s `route` says which convolution runs;
+the model's layers take it from `mrcnn_tf2.model.factory.choose_ops`, which picks it for the run's device:
+
+- CUDNN: tf.nn.conv2d and TensorFlow's own gradients, nothing else (on a GPU, cuDNN's kernels);
+- CPU: the matrix-product kernel gradient, and oneDNN's batch-of-one routes when its kernels are on;
+- WINOGRAD: CPU, with Winograd's fused route for the 3x3 convs it suits.
 
 Tensors are NHWC; kernels [KH, KW, C_in, C_out].
 """
@@ -36,6 +46,9 @@ from tensorflow.python.util import _pywrap_util_port  # the one way to ask wheth
 from mrcnn_tf2.ops import fused as fused_ops
 
 ONEDNN = _pywrap_util_port.IsMklEnabled()
+
+CUDNN, CPU, WINOGRAD = "cudnn", "cpu", "winograd"
+ROUTES = (CUDNN, CPU, WINOGRAD)
 
 
 def kernel_gradient(inputs, out_grad, kernel_shape, padding):
@@ -147,10 +160,10 @@ def split_conv2d(inputs, kernel, strides, padding):
 WINOGRAD_MIN_TILES = 32
 
 
-def _winograd(inputs, kernel, strides, padding, fused):
-    """Whether the conv takes Winograd's fused route: a float32 3x3 stride-1 'SAME' conv, fused ops on, and
-    enough output blocks (or sizes known only at run time)."""
-    if not (fused and strides == 1 and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
+def _winograd(inputs, kernel, strides, padding, route):
+    """Whether the conv takes Winograd's fused route: a float32 3x3 stride-1 'SAME' conv, route WINOGRAD,
+    and enough output blocks (or sizes known only at run time)."""
+    if not (route == WINOGRAD and strides == 1 and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
             and inputs.dtype == tf.float32):
         return False
     batch, height, width = inputs.shape[:3]
@@ -159,29 +172,30 @@ def _winograd(inputs, kernel, strides, padding, fused):
     return batch * -(-height // 4) * -(-width // 4) >= WINOGRAD_MIN_TILES
 
 
-def _forward(inputs, kernel, strides, padding, fused):
-    """The conv, by Winograd's fused route or a faster oneDNN route where possible (module docstring)."""
+def _forward(inputs, kernel, strides, padding, route):
+    """The conv of the CPU routes: by Winograd's fused route or a faster oneDNN route where possible (module
+    docstring)."""
     def direct():
         return tf.nn.conv2d(inputs, kernel, strides, padding)
 
-    if _winograd(inputs, kernel, strides, padding, fused):
+    if _winograd(inputs, kernel, strides, padding, route):
         return fused_ops.conv2d_3x3(inputs, kernel)
     if strides == 1 and padding == "SAME" and kernel.shape[0] % 2 == 1 and kernel.shape[1] % 2 == 1:
-        route = lambda: transposed_conv2d(inputs, kernel)  # noqa: E731
+        batch_of_one = lambda: transposed_conv2d(inputs, kernel)  # noqa: E731
     elif strides > 1 and padding != "SAME":
-        route = lambda: split_conv2d(inputs, kernel, strides, padding)  # noqa: E731
+        batch_of_one = lambda: split_conv2d(inputs, kernel, strides, padding)  # noqa: E731
     else:
         return direct()
     if not ONEDNN or inputs.shape[0] not in (1, None):
         return direct()
     if inputs.shape[0] == 1:
-        return route()
-    return tf.cond(tf.shape(inputs)[0] == 1, route, direct)
+        return batch_of_one()
+    return tf.cond(tf.shape(inputs)[0] == 1, batch_of_one, direct)
 
 
-def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, relu=False, fused=False):
+def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, relu=False, route=CPU):
     """relu(tf.nn.conv2d(inputs, kernel) + bias + residual) (no dilation), the block oneDNN fuses into one
-    kernel; at stride 1 the kernel gradient is `kernel_gradient`.
+    kernel, by `route`; on the CPU routes the kernel gradient at stride 1 is `kernel_gradient`.
 
     Args:
       inputs: [B, H, W, C_in].
@@ -191,16 +205,18 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
       bias: [C_out] or None.
       residual: [B, H_out, W_out, C_out] or None.
       relu: whether a ReLU ends the block.
-      fused: a float32 3x3 stride-1 'SAME' conv runs Winograd's fused ops (`fused_ops.conv2d_3x3`); the
-        gradient is the same either way.
+      route: CUDNN, CPU or WINOGRAD (module docstring). WINOGRAD: a float32 3x3 stride-1 'SAME' conv runs
+        Winograd's fused ops (`fused_ops.conv2d_3x3`); the kernel gradient is CPU's either way.
 
     Returns:
       [B, H_out, W_out, C_out].
     """
+    if route not in ROUTES:
+        raise ValueError(f"conv route {route!r} is not one of {ROUTES}")
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
     kernel = tf.convert_to_tensor(kernel)
     rows = inputs.shape[1]
-    if strides == 1 and tuple(kernel.shape[:2]) == (1, 1):
+    if route != CUDNN and strides == 1 and tuple(kernel.shape[:2]) == (1, 1):
         padding = "SAME"  # 'VALID' is the same conv for a 1x1 kernel, and 'SAME' can take the batch-of-one route
         if ONEDNN and inputs.shape[0] == 1 and rows is not None and rows % 2 == 0:
             # A 1x1 conv treats every pixel alike, so an image is also two images of half its height: a batch
@@ -210,21 +226,36 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
                 return tf.reshape(tensor, tf.concat([[2, rows // 2], tf.shape(tensor)[2:]], 0))
 
             outputs = _block(fold(inputs), kernel, 1, padding, bias, None if residual is None else fold(residual),
-                             relu, fused)
+                             relu, route)
             unfolded = tf.reshape(outputs, tf.concat([[1, rows], tf.shape(outputs)[2:]], 0))
             unfolded.set_shape(inputs.shape[:3] + kernel.shape[3:])
             return unfolded
-    return _block(inputs, kernel, strides, padding, bias, residual, relu, fused)
+    return _block(inputs, kernel, strides, padding, bias, residual, relu, route)
 
 
-def _block(inputs, kernel, strides, padding, bias, residual, relu, fused):
-    """conv2d's block, the conv under its custom gradient followed by the ops oneDNN fuses into it."""
+def _block(inputs, kernel, strides, padding, bias, residual, relu, route):
+    """conv2d's block: the conv (on the CPU routes under its custom gradient) followed by the ops oneDNN
+    fuses into it."""
+    if route == CUDNN:
+        outputs = tf.nn.conv2d(inputs, kernel, strides, padding)
+    else:
+        outputs = _cpu_conv(inputs, kernel, strides, padding, route)
+    if bias is not None:
+        outputs = tf.nn.bias_add(outputs, bias)
+    if residual is not None:
+        outputs = outputs + residual
+    return tf.nn.relu(outputs) if relu else outputs
+
+
+def _cpu_conv(inputs, kernel, strides, padding, route):
+    """The conv of the CPU routes (`_forward`) under their gradient: `kernel_gradient` at stride 1, the
+    input gradient by Winograd's route where the forward took it."""
     kernel_shape = tuple(kernel.shape)
 
     @tf.custom_gradient
     def convolve(x, w):
         def grad(out_grad):
-            if _winograd(x, w, strides, padding, fused):
+            if _winograd(x, w, strides, padding, route):
                 # The input gradient of a 3x3 'SAME' conv is the conv of the kernel flipped in space with
                 # its channels swapped: Winograd's route too.
                 input_grad = fused_ops.conv2d_3x3(out_grad, flipped(w))
@@ -241,11 +272,6 @@ def _block(inputs, kernel, strides, padding, bias, residual, relu, fused):
             return (tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w, **conv),
                     tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=tf.shape(w), **conv))
 
-        return _forward(x, w, strides, padding, fused), grad
+        return _forward(x, w, strides, padding, route), grad
 
-    outputs = convolve(inputs, kernel)
-    if bias is not None:
-        outputs = tf.nn.bias_add(outputs, bias)
-    if residual is not None:
-        outputs = outputs + residual
-    return tf.nn.relu(outputs) if relu else outputs
+    return convolve(inputs, kernel)

@@ -61,11 +61,11 @@ class CheckpointKeeper:
             except Exception as err:  # noqa: BLE001
                 print(f"[train] checkpoint {path} is unreadable ({_first_line(err)}); trying the one before",
                       file=sys.stderr)
-                failures.append(path)
+                failures.append(f"{path} ({_first_line(err)})")
                 continue
             return path
         if failures:
-            raise RuntimeError(f"no readable checkpoint in {self.manager.directory}: tried {', '.join(failures)}")
+            raise RuntimeError(f"no readable checkpoint in {self.manager.directory}: tried {'; '.join(failures)}")
         return None
 
 

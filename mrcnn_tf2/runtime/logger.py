@@ -1,4 +1,5 @@
-"""What a run reports: console progress lines, a JSON-lines log, TensorBoard scalars.
+"""What a run reports: console progress lines, a JSON-lines log, TensorBoard scalars (and with --log_graph the
+traced update step's graph).
 
 Every record goes to all three sinks; the JSON-lines file is appended to, so a resumed run continues the
 log of the run it resumes. Throughput excludes the first `warmup_steps` steps of this process (tracing
@@ -32,6 +33,7 @@ class RunLogger:
         os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
         self.log = open(log_file, "a", encoding="utf-8")
         self.writer = tf.summary.create_file_writer(tensorboard_dir) if tensorboard_dir else None
+        self.tensorboard_dir = tensorboard_dir
         self.verbose = verbose
 
     def event(self, name, echo=True, **fields):
@@ -53,6 +55,19 @@ class RunLogger:
             self.writer.flush()
         if self.verbose:
             print(line, flush=True)
+
+    def graph(self, graph, default_dir):
+        """Writes `graph` (a tf.Graph) for TensorBoard's Graphs tab into the summary directory, or into
+        `default_dir` when the logger has none (then only the graph goes there), and records where."""
+        directory = self.tensorboard_dir or default_dir
+        writer = self.writer or tf.summary.create_file_writer(directory)
+        with writer.as_default():
+            tf.summary.graph(graph)
+        if writer is self.writer:
+            writer.flush()
+        else:
+            writer.close()
+        self.event("graph", directory=directory)
 
     def _write(self, record):
         self.log.write(json.dumps(record) + "\n")

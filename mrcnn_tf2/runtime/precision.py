@@ -3,7 +3,8 @@
 import sys
 
 import keras
-import tensorflow as tf
+
+from mrcnn_tf2.devices import run_device
 
 # /proc/cpuinfo flags of CPUs with bfloat16 arithmetic. Without them TF emulates bfloat16, and measured on
 # an AVX2-only CPU a mixed_bfloat16 train step was 8x slower than float32 (a 3x3 conv's backprop 40x).
@@ -20,22 +21,27 @@ def cpu_has_bfloat16(cpuinfo="/proc/cpuinfo"):
     return any(flag in flags for flag in BFLOAT16_CPU_FLAGS)
 
 
-def set_precision(amp):
+def set_precision(amp, amp_dtype="auto"):
     """Sets the global Keras policy and returns its name.
 
-    With amp: mixed_float16 (loss-scaled) on GPU; on CPU mixed_bfloat16 where the CPU has bfloat16
-    instructions (or cannot tell), else float32 with a warning, since emulated bfloat16 is slower than
-    float32. Without amp: float32.
+    Without amp: float32. With amp, `amp_dtype` (config.AMP_DTYPES) picks the computation dtype: float16 is
+    mixed_float16, which training loss-scales (it runs on a CPU too, slowly, as it runs on a GPU); bfloat16
+    is mixed_bfloat16; auto is float16 on a GPU (`devices.run_device`) and bfloat16 on a CPU that has
+    bfloat16 instructions (or cannot tell), else float32 with a warning, since emulated bfloat16 is slower
+    than float32 there.
     """
     policy = "float32"
     if amp:
-        if tf.config.list_physical_devices("GPU"):
-            policy = "mixed_float16"
-        elif cpu_has_bfloat16() is False:
-            print(f"[amp] warning: this CPU has no bfloat16 instructions ({' or '.join(BFLOAT16_CPU_FLAGS)} "
-                  "in /proc/cpuinfo), where mixed_bfloat16 runs several times slower than float32: --amp is "
-                  "ignored and the run uses float32", file=sys.stderr, flush=True)
-        else:
-            policy = "mixed_bfloat16"
+        dtype = amp_dtype
+        if dtype == "auto":
+            dtype = "float16" if run_device() == "GPU" else "bfloat16"
+            if dtype == "bfloat16" and cpu_has_bfloat16() is False:
+                print(f"[amp] warning: this CPU has no bfloat16 instructions ({' or '.join(BFLOAT16_CPU_FLAGS)} "
+                      "in /proc/cpuinfo), where mixed_bfloat16 runs several times slower than float32: --amp is "
+                      "ignored and the run uses float32 (--amp_dtype bfloat16 or float16 forces one)",
+                      file=sys.stderr, flush=True)
+                dtype = None
+        if dtype is not None:
+            policy = f"mixed_{dtype}"
     keras.mixed_precision.set_global_policy(policy)
     return policy

@@ -89,6 +89,7 @@ def load_model(config, require_checkpoint=True, export=False):
 
     Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
     trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
+    Prints the ops the model was built with (`OpChoice.describe`).
 
     Args:
       config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
@@ -99,15 +100,17 @@ def load_model(config, require_checkpoint=True, export=False):
       a `LoadedModel`.
 
     Raises:
-      ValueError naming model_dir or the checkpoint: no checkpoint, or one that does not fit the model.
+      ValueError naming model_dir or the checkpoint: no checkpoint, or one that does not fit the model;
+        ConfigError (a ValueError) naming --custom_ops: 'on' on a GPU (`factory.choose_ops`).
     """
     model_dir = config.runtime.model_dir
     checkpoint = tf.train.latest_checkpoint(model_dir)
     if checkpoint is None and require_checkpoint:
         raise ValueError(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
-    policy = set_precision(config.runtime.amp)
+    policy = set_precision(config.runtime.amp, config.runtime.amp_dtype)
     model = build_model(config, export=export)
     ops = choose_ops(config, export=export)
+    print(f"[model] {ops.describe()}", flush=True)
     height, width = config.data.image_size
     batch_size = config.eval.eval_batch_size
     # A blank batch shaped like the evaluation batches builds the variables through the same trace that

@@ -40,8 +40,14 @@ from mrcnn_tf2.runtime.precision import set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
 
 
+# The dynamic loss scale's start (Keras's default): high, since an overflow halves it at once while growing
+# takes 2000 finite steps per doubling.
+INITIAL_LOSS_SCALE = 2.0 ** 15
+
+
 class NonFiniteLossError(RuntimeError):
-    """A loss became NaN or infinite outside float16 loss scaling: training stops before any checkpoint."""
+    """A loss became NaN or infinite: training stops before any checkpoint. (Under float16 loss scaling,
+    gradients that overflow with a finite loss are not this: the update is skipped and counted.)"""
 
 
 def count_records(file_pattern):
@@ -65,7 +71,7 @@ class Trainer:
         train, runtime = config.train, config.runtime
         if train.seed is not None:
             keras.utils.set_random_seed(train.seed)
-        self.policy = set_precision(runtime.amp)
+        self.policy = set_precision(runtime.amp, runtime.amp_dtype)
         self.world = world
         self.num_workers, self.worker_index = world.size, world.rank
         # Opened before anything is built or read, so that a wrong path fails at once.
@@ -85,16 +91,20 @@ class Trainer:
         self.schedule = learning_rate_schedule(train, self.steps_per_epoch, self.global_batch_size,
                                                constant=runtime.benchmark)
         # Keras clips inside apply: after the LossScaleOptimizer has unscaled and after the allreduce.
-        optimizer = keras.optimizers.SGD(self.schedule, momentum=train.momentum,
-                                         global_clipnorm=train.clip_grad_norm)
-        if self.policy == "mixed_float16":
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        self.sgd = keras.optimizers.SGD(self.schedule, momentum=train.momentum, global_clipnorm=train.clip_grad_norm)
+        self.loss_scaled = self.policy == "mixed_float16"
+        optimizer = (keras.optimizers.LossScaleOptimizer(self.sgd, initial_scale=INITIAL_LOSS_SCALE) if self.loss_scaled
+                     else self.sgd)
         self.model = build_model(config)
+        self.ops = choose_ops(config)  # the model's (build_model asks the same), said once at start-up
         # The input pipeline labels the model's anchors with the RPN-target op the factory chose for the model.
-        self.rpn_targets = choose_ops(config).rpn_targets
-        self.model.compile(optimizer=optimizer)
+        self.rpn_targets = self.ops.rpn_targets
+        # Not compiled: Keras's compile would wrap the optimizer in a LossScaleOptimizer of its own under
+        # mixed_float16 and attach it to the model's checkpoint. The update scales the loss itself.
         self.optimizer = optimizer
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        # Of the run's steps, those whose update the LossScaleOptimizer skipped (float16 gradients overflowed).
+        self.skipped_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
         self.keeper = None
 
     # -- the update ---------------------------------------------------------------------------------------
@@ -104,31 +114,72 @@ class Trainer:
         self.model(batch, training=True)
         self.optimizer.build(self.model.trainable_variables)
 
+    def checkpointed(self):
+        """{name: object} of what a checkpoint holds (after `build`).
+
+        The SGD optimizer is saved on its own and the dynamic loss scale beside it, so that checkpoints with
+        and without float16 loss scaling hold the same objects and each run resumes the other's: without
+        loss scaling, stand-ins at Keras's starting values carry the scale (a run that turns --amp on starts
+        from them; one that turns it off keeps the last scale for a later run that turns it on again).
+        """
+        if self.loss_scaled:
+            scale, growth = self.optimizer.dynamic_scale, self.optimizer.step_counter
+        else:
+            scale = tf.Variable(INITIAL_LOSS_SCALE, dtype=tf.float32, trainable=False)
+            growth = tf.Variable(0, dtype=tf.int64, trainable=False)
+        return dict(model=self.model, optimizer=self.sgd, step=self.step, skipped_steps=self.skipped_steps,
+                    loss_scale=tf.train.Checkpoint(scale=scale, growth_steps=growth))
+
     def update_function(self):
-        """tf.function(batches) -> losses averaged over the accumulate_steps batches, after one update.
+        """tf.function(batches) -> (losses averaged over the accumulate_steps batches, skipped), after one update.
 
         Each batch's gradients (of loss / accumulate_steps) are summed, averaged over the Horovod ranks and
         applied once: the update equals one on a batch accumulate_steps x ranks times larger. The batches
         are unrolled in one function, so the sum is of tensors and needs no accumulator variables. (With
         --xla the model compiles its dense layers itself; see MaskRCNN's jit_dense.)
+
+        skipped: int64 scalar, 1 when the LossScaleOptimizer skipped the update (its float16 gradients
+        overflowed; it then halves the loss scale), else 0.
         """
         model, optimizer, world = self.model, self.optimizer, self.world
         count = self.config.train.accumulate_steps
 
         def update(batches):
-            losses, gradients = model.compute_gradients(batches[0], 1.0 / count)
+            # The loss scale (the identity without a LossScaleOptimizer) is read once per update.
+            multiplier = optimizer.scale_loss(1.0 / count)
+            losses, gradients = model.compute_gradients(batches[0], multiplier)
             for batch in batches[1:]:
-                batch_losses, batch_gradients = model.compute_gradients(batch, 1.0 / count)
+                batch_losses, batch_gradients = model.compute_gradients(batch, multiplier)
                 losses = {name: value + batch_losses[name] for name, value in losses.items()}
                 gradients = [total + gradient for total, gradient in zip(gradients, batch_gradients)]
             gradients = world.average_gradients(gradients)
+            iterations = tf.convert_to_tensor(optimizer.iterations)
             optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            # A skipped update leaves the iterations, the schedule's position, where they were: advance them,
+            # so that the step, the iterations and the learning rate logged and applied stay one count.
+            skipped = tf.cast(tf.equal(optimizer.iterations, iterations), tf.int64)
+            optimizer.iterations.assign_add(skipped)
+            self.skipped_steps.assign_add(skipped)
             self.step.assign_add(1)
-            return {name: value / count for name, value in losses.items()}
+            return {name: value / count for name, value in losses.items()}, skipped
 
         if self.config.runtime.eagerly:
             return update
         return tf.function(update)
+
+    def _log_graph(self, update, batches, logger):
+        """--log_graph: rank 0 traces `update` on `batches` and writes the graph to TensorBoard (--log_tensorboard,
+        else <model_dir>/tensorboard). tf.function keeps this trace for the first step's batches, of the same
+        shapes, so the graph costs the loop nothing."""
+        runtime = self.config.runtime
+        if not (runtime.log_graph and self.world.is_chief):
+            return
+        if runtime.eagerly:
+            notice = "warning: --log_graph writes no graph under --eagerly, which runs the update step untraced"
+            print(f"[train] {notice}", flush=True)
+            logger.event("notice", echo=False, message=notice)
+            return
+        logger.graph(update.get_concrete_function(batches).graph, os.path.join(runtime.model_dir, "tensorboard"))
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -159,15 +210,15 @@ class Trainer:
         # Only rank 0 reads model_dir and the checkpoints a run starts from: other machines need not see them.
         if self.world.is_chief:
             self._restore_or_load_pretrained(logger)
-        self.world.broadcast_variables([*self.model.variables, *self.optimizer.variables, self.step])
+        self.world.broadcast_variables([*self.model.variables, *self.optimizer.variables, self.step,
+                                        self.skipped_steps])
         return int(self.step.numpy())
 
     def _restore_or_load_pretrained(self, logger):
         """Restores the latest checkpoint, or loads the init checkpoint's model or the pretrained backbone in
         a new run."""
         runtime, train = self.config.runtime, self.config.train
-        objects = dict(model=self.model, optimizer=self.optimizer, step=self.step)
-        self.keeper = CheckpointKeeper(runtime.model_dir, runtime.keep_checkpoints, **objects)
+        self.keeper = CheckpointKeeper(runtime.model_dir, runtime.keep_checkpoints, **self.checkpointed())
         path = self.keeper.restore_latest()
         if path is not None:
             logger.event("resumed", checkpoint=path, step=int(self.step.numpy()))
@@ -232,6 +283,8 @@ class Trainer:
     def _loop(self, logger):
         config, runtime = self.config, self.config.runtime
         accumulate = config.train.accumulate_steps
+        if self.world.is_chief:
+            print(f"[train] {self.ops.describe()}", flush=True)
         # Where to resume is known only after restoring, which needs built variables: peek one batch first.
         first = next(iter(self.dataset(0)))
         start = self._restore_or_initialise(first, logger)
@@ -240,7 +293,7 @@ class Trainer:
             if notice:
                 print(f"[train] {notice}", flush=True)
                 logger.event("notice", echo=False, message=notice)
-        logger.event("start", echo=False, config=config.to_dict(), policy=self.policy,
+        logger.event("start", echo=False, config=config.to_dict(), policy=self.policy, ops=self.ops.describe(),
                      steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, start_step=start,
                      global_batch_size=self.global_batch_size)
         if self.world.is_chief:
@@ -251,6 +304,7 @@ class Trainer:
         last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
                 else self.total_steps)
         update = self.update_function()
+        self._log_graph(update, [first] * accumulate, logger)
         # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP.
         # Under Horovod rank 0 evaluates alone; the others wait for it in the next update's allreduce, or,
         # where the run can stop early, in the broadcast of rank 0's decision at each epoch end.
@@ -263,10 +317,12 @@ class Trainer:
         timer_start = None
         for step in range(start + 1, last + 1):
             tic = time.perf_counter()
-            losses = update([next(batches) for _ in range(accumulate)])
+            losses, skipped = update([next(batches) for _ in range(accumulate)])
             values = {name: float(value) for name, value in losses.items()}  # waits for the step
             toc = time.perf_counter()
             self._check_finite(step, values)
+            if skipped:
+                logger.event("skipped", echo=False, step=step, loss_scale=float(self.optimizer.dynamic_scale))
             done = step - start
             if done == runtime.log_warmup_steps:
                 timer_start = toc
@@ -292,8 +348,12 @@ class Trainer:
                 break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
             self._report_benchmark(logger, step_times)
-        logger.event("done", step=step)
+        logger.event("done", step=step, **self._skipped_summary())
         return status.OK
+
+    def _skipped_summary(self):
+        """{skipped_steps: count} under float16 loss scaling, else {}."""
+        return dict(skipped_steps=int(self.skipped_steps.numpy())) if self.loss_scaled else {}
 
     def _report_benchmark(self, logger, step_times):
         """Rank 0 prints the job's img/s and, under Horovod, each worker's (their mean over the single-
@@ -329,10 +389,9 @@ class Trainer:
                 "--config_override model.freeze_bn / model.freeze_blocks set them)")
 
     def _check_finite(self, step, values):
+        # Loss scaling overflows the gradients, never the loss: a non-finite loss is divergence in any policy.
         if all(math.isfinite(v) for v in values.values()):
             return
-        if self.policy == "mixed_float16":
-            return  # the LossScaleOptimizer skipped this update and lowered its scale
         terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
         if self._frozen_bn_from_scratch():
             cause = ("likely cause: batch norm is frozen (model.freeze_bn=true) without pretrained weights, so it is "
@@ -351,11 +410,16 @@ class Trainer:
             rate = self.global_batch_size * len(step_times) / (time.perf_counter() - timer_start)
         means["learning_rate"] = float(self.schedule(step - 1))
         means["epoch"] = (step - 1) // self.steps_per_epoch + 1
+        if self.loss_scaled:
+            means["amp_loss_scale"] = float(self.optimizer.dynamic_scale)
+            means.update(self._skipped_summary())
         if rate:
             means["img_per_s"] = rate
         parts = [f"step {step}/{last}", f"epoch {means['epoch']}/{self.config.train.epochs}"]
         parts += [f"{k} {v:.4f}" for k, v in means.items() if k.startswith("loss_")]
         parts.append(f"lr {means['learning_rate']:.5g}")
+        if self.loss_scaled:
+            parts.append(f"loss scale {means['amp_loss_scale']:g} ({means['skipped_steps']} steps skipped)")
         if rate:
             parts += [f"{rate:.2f} img/s", f"ETA {format_duration((last - step) * self.global_batch_size / rate)}"]
         logger.metrics(step, means, "[train] " + "  ".join(parts))

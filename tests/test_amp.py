@@ -1,0 +1,210 @@
+"""Mixed precision: which policy --amp / --amp_dtype pick on each device, and training under float16 loss
+scaling (run on the CPU, as on a GPU): the unscaled update, skipped overflow steps, a diverged run, and
+resuming a model_dir with --amp switched on or off."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2 import devices
+from mrcnn_tf2.runtime import precision
+from mrcnn_tf2.runtime import train as train_runtime
+from mrcnn_tf2.status import FAILURE
+from test_model import small_config, synthetic_batch
+from test_train import equally_weighted_config, read_log, trainer_for
+
+
+@pytest.fixture(autouse=True)
+def float32_after():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("amp, amp_dtype, gpu, has_bfloat16, expected", [
+    (False, "auto", True, True, "float32"),
+    (False, "float16", False, True, "float32"),
+    (True, "auto", True, False, "mixed_float16"),
+    (True, "auto", False, True, "mixed_bfloat16"),
+    (True, "auto", False, None, "mixed_bfloat16"),
+    (True, "auto", False, False, "float32"),
+    (True, "float16", False, False, "mixed_float16"),
+    (True, "bfloat16", True, False, "mixed_bfloat16"),
+    (True, "bfloat16", False, False, "mixed_bfloat16"),
+])
+def test_amp_dtype_picks_the_policy_by_device(monkeypatch, capsys, amp, amp_dtype, gpu, has_bfloat16, expected):
+    monkeypatch.setenv(devices.FAKE_GPU_ENV, "1" if gpu else "0")
+    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: has_bfloat16)
+    assert precision.set_precision(amp, amp_dtype) == expected
+    assert keras.mixed_precision.global_policy().name == expected
+    # Only auto falls back to float32, and says so.
+    assert ("--amp is ignored" in capsys.readouterr().err) == (amp and expected == "float32")
+
+
+def test_fake_gpu_env_is_checked(monkeypatch):
+    monkeypatch.setenv(devices.FAKE_GPU_ENV, "yes")
+    with pytest.raises(ValueError, match="MRCNN_TF2_FAKE_GPU='yes': must be 0 or 1"):
+        devices.run_device()
+
+
+def float16_config(**train):
+    config = equally_weighted_config()
+    config.runtime.amp, config.runtime.amp_dtype = True, "float16"
+    for key, value in train.items():
+        setattr(config.train, key, value)
+    return config
+
+
+def first_update(config, batch, initial):
+    """The weight change of one update from `initial` weights (plain SGD, lr 0.5, no warm-up)."""
+    trainer = trainer_for(config)
+    trainer.build(batch)
+    for target, source in zip(trainer.model.weights, initial):
+        target.assign(source)
+    before = [v.numpy() for v in trainer.model.trainable_variables]
+    _, skipped = trainer.update_function()([batch])
+    assert int(skipped) == 0
+    return trainer, [v.numpy() - b for v, b in zip(trainer.model.trainable_variables, before)]
+
+
+def test_float16_update_is_unscaled_to_the_float32_update():
+    """The LossScaleOptimizer's gradients are 2**15 times the loss's: the update applied must be the float32
+    one, up to float16 rounding of the forward and backward passes."""
+    batch = synthetic_batch(small_config())
+    rates = dict(init_learning_rate=0.5, momentum=0.0, warmup_min_steps=0)
+    reference = equally_weighted_config()
+    vars(reference.train).update(rates)
+    trainer32 = trainer_for(reference)
+    trainer32.build(batch)
+    initial = [v.numpy() for v in trainer32.model.weights]
+    _, update32 = first_update(reference, batch, initial)
+    trainer16, update16 = first_update(float16_config(**rates), batch, initial)
+    assert trainer16.policy == "mixed_float16" and trainer16.loss_scaled
+    assert float(trainer16.optimizer.dynamic_scale) == train_runtime.INITIAL_LOSS_SCALE
+    flat32 = np.concatenate([u.ravel() for u in update32])
+    flat16 = np.concatenate([u.ravel() for u in update16])
+    norm32 = np.linalg.norm(flat32)
+    assert norm32 > 1e-3  # the update moved the weights
+    assert np.linalg.norm(flat16) == pytest.approx(norm32, rel=0.02)
+    assert np.linalg.norm(flat16 - flat32) < 0.05 * norm32
+
+
+def test_overflow_step_is_skipped_counted_and_counters_agree():
+    """A loss scale so large that the float16 gradients overflow: the update is skipped (weights and
+    momentum unchanged), the scale halves, and step, optimizer iterations and the schedule move on together."""
+    batch = synthetic_batch(small_config())
+    trainer = trainer_for(float16_config(warmup_min_steps=0))
+    trainer.build(batch)
+    update = trainer.update_function()
+    update([batch])
+    weights = [v.numpy() for v in trainer.model.trainable_variables]
+    slots = [v.numpy() for v in trainer.sgd.variables]
+    trainer.optimizer.dynamic_scale.assign(2.0 ** 60)
+    losses, skipped = update([batch])
+    assert int(skipped) == 1 and np.isfinite(float(losses["loss_total"]))
+    for before, variable in zip(weights, trainer.model.trainable_variables):
+        np.testing.assert_array_equal(variable.numpy(), before, err_msg=variable.path)
+    iterations = int(trainer.sgd.iterations.numpy())
+    for before, variable in zip(slots, trainer.sgd.variables):
+        if variable is not trainer.sgd.iterations:
+            np.testing.assert_array_equal(variable.numpy(), before, err_msg=variable.path)
+    assert float(trainer.optimizer.dynamic_scale) == 2.0 ** 59
+    assert int(trainer.step.numpy()) == iterations == 2 and int(trainer.skipped_steps.numpy()) == 1
+    trainer.optimizer.dynamic_scale.assign(train_runtime.INITIAL_LOSS_SCALE)
+    _, skipped = update([batch])
+    assert int(skipped) == 0
+    assert int(trainer.step.numpy()) == int(trainer.sgd.iterations.numpy()) == 3
+    assert int(trainer.skipped_steps.numpy()) == 1
+    assert any(not np.array_equal(v.numpy(), w) for v, w in zip(trainer.model.trainable_variables, weights))
+
+
+def run_config(tmp_path, data_dir, steps, amp_dtype=None, **train):
+    config = small_config()
+    config.data.data_dir = data_dir
+    config.model.num_classes = 6
+    config.data.max_num_instances = 8
+    config.runtime.model_dir = str(tmp_path)
+    config.runtime.log_every = 1
+    config.runtime.log_warmup_steps = 1
+    config.train.train_batch_size = 2
+    config.train.steps_per_epoch = steps
+    config.train.epochs = 1
+    config.train.warmup_min_steps = 0
+    config.train.seed = 1
+    if amp_dtype is not None:
+        config.runtime.amp, config.runtime.amp_dtype = True, amp_dtype
+    for key, value in train.items():
+        setattr(config.train, key, value)
+    return config
+
+
+def test_skipped_steps_are_logged_and_the_run_goes_on(tmp_path, shapes_records, monkeypatch, capsys):
+    # 2**22 overflows the first step's float16 gradients; each skip halves it until they fit.
+    monkeypatch.setattr(train_runtime, "INITIAL_LOSS_SCALE", 2.0 ** 22)
+    config = run_config(tmp_path, shapes_records["data_dir"], 6, "float16")
+    trainer = train_runtime.Trainer(config)
+    assert trainer.run() == 0
+    log = read_log(tmp_path / "log.jsonl")
+    skipped = [r["step"] for r in log if r["event"] == "skipped"]
+    assert 1 in skipped and len(skipped) < 6, skipped
+    metrics = [r for r in log if r["event"] == "metrics"]
+    assert [m["skipped_steps"] for m in metrics] == [sum(s <= step for s in skipped) for step in range(1, 7)]
+    assert metrics[0]["amp_loss_scale"] == 2.0 ** 21
+    assert [r for r in log if r["event"] == "done"][0]["skipped_steps"] == len(skipped)
+    assert int(trainer.sgd.iterations.numpy()) == int(trainer.step.numpy()) == 6
+    # The learning rate logged is the schedule at the iterations it was applied at: step - 1.
+    assert [m["learning_rate"] for m in metrics] == pytest.approx([float(trainer.schedule(s)) for s in range(6)])
+    assert f"({len(skipped)} steps skipped)" in capsys.readouterr().out
+
+
+def test_non_finite_loss_stops_a_float16_run(tmp_path, shapes_records):
+    """A loss that is itself infinite is no overflow of the loss scaling: the run stops as in float32."""
+    config = run_config(tmp_path, shapes_records["data_dir"], 50, "float16", init_learning_rate=1e3,
+                        learning_rate_values=(1e3,), learning_rate_boundaries=(0.0,))
+    config.runtime.checkpoint_every = 1
+    assert train_runtime.Trainer(config).run() == FAILURE
+    log = read_log(tmp_path / "log.jsonl")
+    (stopped,) = [r for r in log if r["event"] == "stopped"]
+    failed_step = int(stopped["reason"].split("non-finite loss at step ")[1].split()[0])
+    assert failed_step < 50
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{failed_step - 1}")
+
+
+def trained(tmp_path, data_dir, steps, amp_dtype):
+    trainer = train_runtime.Trainer(run_config(tmp_path, data_dir, steps, amp_dtype))
+    assert trainer.run() == 0
+    return trainer
+
+
+@pytest.mark.parametrize("first, second", [(None, "float16"), ("float16", None)])
+def test_resume_with_amp_switched(tmp_path, shapes_records, capsys, first, second):
+    """A model_dir trained with and then without float16 loss scaling, or the other way round, resumes:
+    weights, step, iterations and schedule kept; the loss scale starts fresh where it did not exist."""
+    data_dir = shapes_records["data_dir"]
+    before = trained(tmp_path, data_dir, 2, first)
+    weights = [v.numpy() for v in before.model.weights]
+    momentum = [v.numpy() for v in before.sgd.variables]
+    after = train_runtime.Trainer(run_config(tmp_path, data_dir, 4, second))
+    batch = next(iter(after.dataset(0)))
+    logger = train_runtime.RunLogger(str(tmp_path / "resume.jsonl"))
+    assert after._restore_or_initialise(batch, logger) == 2
+    logger.close()
+    for variable, value in zip(after.model.weights, weights):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+    for variable, value in zip(after.sgd.variables, momentum):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+    assert int(after.sgd.iterations.numpy()) == 2
+    if second == "float16":
+        assert float(after.optimizer.dynamic_scale) == train_runtime.INITIAL_LOSS_SCALE
+        assert int(after.optimizer.step_counter.numpy()) == 0
+    # And the run goes on to step 4, then back again.
+    assert after.run() == 0
+    assert int(after.step.numpy()) == int(after.sgd.iterations.numpy()) == 4
+    again = train_runtime.Trainer(run_config(tmp_path, data_dir, 6, first))
+    assert again.run() == 0
+    assert int(again.step.numpy()) == int(again.sgd.iterations.numpy()) == 6
+    if first == "float16":  # the scale the first float16 run left was carried through the float32 run
+        assert float(again.optimizer.dynamic_scale) == float(before.optimizer.dynamic_scale)
+    resumed = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "resumed"]
+    assert [r["step"] for r in resumed] == [2, 4]
+    assert "unreadable" not in capsys.readouterr().err
