@@ -3,8 +3,9 @@
 # and leaves Horovod's build (minutes) and the test-only torch install to `make setup` / `make test`.
 .PHONY: setup demo test
 
+# `make setup GPU=1`: TensorFlow with its CUDA libraries, Horovod with NCCL when a CUDA toolkit is present.
 setup:
-	@bash scripts/setup.sh
+	@SETUP_GPU=$(if $(filter 1,$(GPU)),1,0) bash scripts/setup.sh
 
 demo:
 	@SETUP_HOROVOD=0 SETUP_TEST_DEPS=0 bash scripts/setup.sh

@@ -3,6 +3,9 @@
 # the test-only requirements.
 # Idempotent: every stage leaves a stamp of its inputs and is skipped while they are unchanged, so a
 # second run costs seconds.
+# SETUP_GPU=1 (`make setup GPU=1`): requirements-gpu.txt (TensorFlow with its CUDA libraries) instead of
+# requirements.txt, and Horovod with its NCCL GPU operations when a CUDA toolkit is present
+# (scripts/build_horovod.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,11 +17,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
+requirements=requirements.txt
 stamp="$VENV/.requirements.sha256"
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "${SETUP_GPU:-0}" = 1 ]; then
+  requirements=requirements-gpu.txt  # which includes requirements.txt
+  want="$want-gpu-$(sha256sum requirements-gpu.txt | cut -d' ' -f1)"
+fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing requirements.txt into $VENV"
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements.txt
+  echo "[setup] installing $requirements into $VENV"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r "$requirements"
   echo "$want" > "$stamp"
 fi
 # The package, editable: `mrcnn_tf2` importable from any directory, the `mrcnn-tf2` command in $VENV/bin.

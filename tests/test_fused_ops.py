@@ -646,7 +646,11 @@ def losses_and_gradients(config, batch, mode):
 
 
 @pytest.mark.onednn  # the twins' convs and matrix products are oneDNN's or TensorFlow's
-def test_train_step_with_fused_ops_equals_twins():
+def test_train_step_with_fused_ops_equals_twins(monkeypatch):
+    # The fused stages, not Winograd's convs (tested against tf.nn.conv2d above): their different float32
+    # rounding can flip a discrete choice downstream (a proposal at the NMS threshold, a sampled RoI), seen
+    # on an AVX2 CPU as a class loss 6e-4 apart.
+    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 2 ** 62)
     config = small_config()
     batch = synthetic_batch(config)
     on_losses, on_grads = losses_and_gradients(config, batch, "on")
