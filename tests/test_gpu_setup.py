@@ -106,8 +106,12 @@ def test_gpu_requirements_resolve_against_the_registry_without_installing(tmp_pa
 
 
 def test_make_setup_gpu_sets_the_gpu_install():
+    # Under `make test` the variables of the outer make would make this one print its directory.
+    env = {name: value for name, value in os.environ.items() if name not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+
     def setup_line(*args):
-        result = subprocess.run(["make", "-n", "setup", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+        result = subprocess.run(["make", "--no-print-directory", "-n", "setup", *args], cwd=ROOT, env=env,
+                                capture_output=True, text=True, check=True)
         return result.stdout.strip()
 
     assert setup_line("GPU=1") == "SETUP_GPU=1 bash scripts/setup.sh"
