@@ -37,6 +37,10 @@ FORBIDDEN = {
               "keras"},
     "status": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "tensorflow",
                "keras"},
+    # The device a run computes on: asked by config-level and model code, so it imports no package layer
+    # (TensorFlow only inside its function).
+    "devices": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "status",
+                "presets"},
     # Named sets of config values: plain data, read by the command line.
     "presets": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "status",
                 "tensorflow", "keras"},
