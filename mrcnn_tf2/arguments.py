@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="main.py",
         description="Mask R-CNN (ResNet-FPN) for TensorFlow 2: train, evaluate, infer, export. "
-                    "Settings are applied in this order, later ones winning: the defaults, the config saved "
-                    "in --model_dir by training (config.json), --preset, the flags, --config_override.",
+                    "Settings are applied in this order, later ones winning: the defaults, --preset, the config "
+                    "saved in --model_dir by training (config.json), the flags, --config_override.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("mode", choices=MODES, help="what to run")
@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preset",
         choices=presets.names(),
-        help=f"a named set of config values, applied before the flags and --config_override: {presets.describe()}",
+        help=f"a named set of config values, applied under the config saved in --model_dir, the flags and "
+             f"--config_override: {presets.describe()}",
     )
     parser.add_argument(
         "--config_override",
@@ -229,12 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
     """The validated Config of `args` and {dotted path: source} of each value that differs from the default.
 
-    Layers, later ones winning: the defaults; the config saved in <model_dir>/config.json by training,
-    without its per-command settings (config.PER_COMMAND_KEYS); --preset; the flags; --config_override;
-    then the rules of the settings left to None (Config.resolved). A preset leaves the values of
-    config.MODEL_DEFINING_KEYS that a saved config holds as saved (a fine-tuned model keeps its classes and
-    input size under the preset it was trained with); an override or flag that changes one is an error
-    naming both values. Raises ConfigError.
+    Layers, later ones winning: the defaults; --preset; the config saved in <model_dir>/config.json by
+    training, without its per-command settings (config.PER_COMMAND_KEYS); the flags; --config_override;
+    then the rules of the settings left to None (Config.resolved). A saved run thus keeps what it chose
+    under a preset (a model fine-tuned at 512 px from `--preset torchvision` evaluates at 512 px under it),
+    and the preset still gives the per-command settings. A flag or override that changes one of
+    config.MODEL_DEFINING_KEYS against the saved config is an error naming both values. Raises ConfigError.
     """
     config, sources = Config(), {}
 
@@ -245,16 +246,15 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
             raise ConfigError(key, f"{path}: {err}") from None
         sources[path] = source
 
+    if args.preset:
+        for path, value in presets.values(args.preset).items():
+            apply(path, value, f"--preset {args.preset}", "--preset")
     model_dir = getattr(args, "model_dir", _DEFAULTS.runtime.model_dir)
     saved = load_saved_config(model_dir)
     saved_file = os.path.join(model_dir, SAVED_CONFIG_FILE)
     for path, value in (saved or {}).items():
         if path not in PER_COMMAND_KEYS and not path.startswith(PER_COMMAND_SECTIONS):
             apply(path, value, f"saved config {saved_file}", "--model_dir")
-    if args.preset:
-        for path, value in presets.values(args.preset).items():
-            if not (saved and path in saved and path in MODEL_DEFINING_KEYS):
-                apply(path, value, f"--preset {args.preset}", "--preset")
     for flag, (path, _) in _FLAGS.items():
         if hasattr(args, flag):
             apply(path, getattr(args, flag), f"--{flag}", f"--{flag}")

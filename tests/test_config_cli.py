@@ -429,14 +429,32 @@ def test_a_command_that_changes_a_saved_models_shape_is_an_error_naming_both_val
             assert name in lines[0], (name, lines[0])
 
 
-def test_a_preset_leaves_a_saved_models_defining_values_as_saved(tmp_path):
-    # A model trained without the preset (ResNet-50, 91 classes, 832x1344) evaluated under it: the preset's
-    # other values apply, the weights' own shape stays.
+def test_a_saved_run_keeps_what_it_chose_under_a_preset(tmp_path):
+    # Fine-tuned from the torchvision preset at 256 px: evaluating under the preset keeps the run's resize rule
+    # and proposal counts rather than the preset's 800 / 1333 and 1000.
+    saved_run(tmp_path, "--preset", "torchvision", "--image_size", "256", "256", "--num_classes", "6",
+              "--config_override", "data.resize_min_size=256", "--config_override", "data.resize_max_size=256",
+              "--config_override", "model.rpn.test_rpn_post_nms_topn=300")
+    _, config, sources = arguments.parse(["eval", "--model_dir", str(tmp_path), "--preset", "torchvision"],
+                                         with_sources=True)
+    saved = f"saved config {tmp_path}/config.json"
+    data = config.data
+    assert (data.image_size, data.resize_min_size, data.resize_max_size) == ((256, 256), 256, 256)
+    assert (config.model.num_classes, config.model.rpn.test_rpn_post_nms_topn) == (6, 300)
+    assert sources["data.resize_min_size"] == sources["model.rpn.test_rpn_post_nms_topn"] == saved
+    # The preset's values the run did not change are the run's too.
+    assert config.model.test.mask_paste == "torchvision" and sources["model.test.mask_paste"] == saved
+
+
+def test_a_preset_gives_the_settings_of_one_command_over_a_saved_run(tmp_path):
+    # A model trained without the preset: its own values stay, and the preset gives what a saved config does
+    # not carry (runtime.log_warmup_steps is a setting of one command).
     saved_run(tmp_path, "--num_classes", "7")
     _, config, sources = arguments.parse(["eval", "--model_dir", str(tmp_path), "--preset", "demo"], with_sources=True)
     assert (config.model.backbone, config.model.num_classes, config.data.image_size) == ("resnet50", 7, (832, 1344))
+    assert config.model.rpn.test_rpn_post_nms_topn == Config().model.rpn.test_rpn_post_nms_topn
     assert sources["model.num_classes"] == f"saved config {tmp_path}/config.json"
-    assert config.model.rpn.test_rpn_post_nms_topn == 200 and sources["model.rpn.test_rpn_post_nms_topn"] == "--preset demo"
+    assert config.runtime.log_warmup_steps == 5 and sources["runtime.log_warmup_steps"] == "--preset demo"
 
 
 def test_repeating_a_saved_value_is_no_contradiction(tmp_path):
@@ -454,7 +472,8 @@ def test_print_config_names_the_source_of_every_non_default_value(tmp_path, caps
     sources, saved = printed["sources"], f"saved config {tmp_path}/config.json"
     assert status == 0
     assert sources["train.l2_weight_decay"] == sources["model.rpn.rpn_min_size"] == sources["model.freeze_bn"] == saved
-    assert sources["model.backbone"] == saved and sources["train.epochs"] == "--preset demo"
+    assert sources["model.backbone"] == sources["train.epochs"] == saved
+    assert sources["runtime.log_warmup_steps"] == "--preset demo"
     assert sources["train.seed"] == "--seed" and sources["runtime.model_dir"] == "--model_dir"
     assert sources["train.momentum"] == "--config_override"
     # Exactly the non-default values have a source.
