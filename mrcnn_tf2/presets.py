@@ -3,8 +3,8 @@
 A preset is applied over the defaults and under a saved run's config (<model_dir>/config.json), the
 explicit flags and `--config_override`, which win: a run keeps what it chose when later commands name the
 preset again, and the preset still gives the settings of one command that a saved config does not carry.
-`--print_config` names the preset as the source of each value it set. Keys are dotted config paths (mrcnn_tf2.config); values are Python values of the
-field's type.
+`--print_config` names the preset as the source of each value it set. Keys are dotted config paths
+(mrcnn_tf2.config); values are Python values of the field's type.
 
 This module must not import TensorFlow.
 """

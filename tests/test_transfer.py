@@ -150,8 +150,8 @@ def train_and_evaluate(scenes, model_dir, seed, *flags):
     """`main.py train` on the scenes with the schedule of both runs (+ `flags`), then `main.py eval` on them.
 
     Returns:
-      dict of losses and l2 ([FINE_TUNE_STEPS] logged loss_total and its weight-decay term loss_l2), metrics
-      (eval_results.json's) and config (the run's saved, resolved config.json).
+      dict of losses ([FINE_TUNE_STEPS] logged loss_total), metrics (eval_results.json's) and config (the
+      run's saved, resolved config.json).
     """
     data_dir = scenes["data_dir"]
     assert main.main([
@@ -176,7 +176,7 @@ def train_and_evaluate(scenes, model_dir, seed, *flags):
                       "--eval_file", scenes["annotations"], "--eval_batch_size", "4",
                       "--config_override", f"data.validation_file_pattern={data_dir}/train-*.tfrecord"]) == status.OK
     metrics = [r for r in read_log(model_dir / "log.jsonl") if r["event"] == "metrics"]
-    return {"losses": [r["loss_total"] for r in metrics], "l2": [r["loss_l2"] for r in metrics],
+    return {"losses": [r["loss_total"] for r in metrics],
             "metrics": json.loads((model_dir / "eval_results.json").read_text())["metrics"],
             "config": json.loads((model_dir / "config.json").read_text())}
 
