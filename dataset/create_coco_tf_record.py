@@ -2,20 +2,21 @@
 
     python dataset/create_coco_tf_record.py --image_dir D/val \\
         --annotations_file D/annotations/instances_val.json --output_dir records \\
-        [--tag val] [--num_shards 32] [--noinclude_masks] [--num_workers 8] [--skip_empty]
+        [--tag val] [--num_shards N] [--noinclude_masks] [--num_workers 8] [--skip_empty]
 
 Output, in --output_dir:
   <tag>-00000-of-<num_shards>.tfrecord ...  one tf.train.Example per image; image i of the JSON's 'images' list
                                             goes to shard i % num_shards. Each shard is written under
                                             a temporary name (`mrcnn_tf2.files`) and renamed only when
                                             the whole run succeeded.
-  <tag>_warnings.json                       every problem found and the action taken (below); always written.
+  <tag>_warnings.json                       every problem found and the action taken (below), with the shards.
 
 The tag defaults to the annotation file's name without `instances_` and `.json` (instances_val2017.json ->
-val2017); the shard count to 256 when the tag contains 'train', else 32. Masks are included by default;
-`--noinclude_masks` leaves them out and then ignores the 'segmentation' field entirely (no segmentation check
-runs). The output does not depend on --num_workers: workers only decode and check images, and the main process
-writes their results in the order of the JSON, so the same input gives byte-identical shards.
+val2017); the shard count to one per IMAGES_PER_SHARD (64) images, at most 256 when the tag contains 'train',
+else 32 (NVIDIA's counts, which COCO reaches: 256 train2017 and 32 val2017 shards). Masks are included by
+default; `--noinclude_masks` leaves them out and then ignores the 'segmentation' field entirely (no segmentation
+check runs). The output does not depend on --num_workers: workers only decode and check images, and the main
+process writes their results in the order of the JSON, so the same input gives byte-identical shards.
 
 Example features (NVIDIA's names): image/encoded (JPEG bytes: the file itself when it is an RGB JPEG, otherwise
 the image converted to RGB and encoded; alpha is composited over black), image/source_id (str(image id), bytes),
@@ -31,7 +32,9 @@ naming the file, the entry and the key, and exit status 2: invalid JSON; a missi
 'images', 'annotations' or 'categories'; an entry without one of its required keys (images: id, file_name,
 height, width; annotations: id, image_id, category_id, bbox; categories: id, name) or with a value of the wrong
 type (also for the optional 'iscrowd' and 'area'); duplicate ids within one list. A missing --image_dir is also
-an error. A worker failing later removes every temporary shard before the error propagates.
+an error, and so is a conversion that would write no image (every image missing, unreadable, or left out by
+--skip_empty): it exits 2 naming the first skipped file, and leaves no shard. A worker failing later removes
+every temporary shard before the error propagates.
 
 Problems with individual images and annotations are recorded in <tag>_warnings.json, keyed by image id and
 then by kind: annotation kinds list annotation ids, image kinds give a message. The file repeats WARNING_ACTIONS
@@ -83,6 +86,12 @@ from mrcnn_tf2.data.coco_io import encode_jpeg
 
 SHARD_NAME = "{tag}-{index:05d}-of-{count:05d}.tfrecord"
 WARNINGS_NAME = "{tag}_warnings.json"
+# Default shard count: one per IMAGES_PER_SHARD images, up to NVIDIA's counts for COCO (256 train, 32 val).
+# The reader gives each worker its own files and reads CYCLE_LENGTH (8) of them at once
+# (mrcnn_tf2/data/pipeline.py): 256 files serve 32 GPUs, which a data set of 16384 images or more (COCO's
+# 118k) gets. A smaller one gets fewer, fuller files rather than empty ones (3 images: 1 file); with fewer
+# files than workers the reader splits the records among them instead.
+IMAGES_PER_SHARD = 64
 DEFAULT_TRAIN_SHARDS, DEFAULT_OTHER_SHARDS = 256, 32
 MAX_SHARDS = 99999  # five digits in the shard names
 # Pixels a mask may reach beyond its box before it is reported: rasterizing a polygon whose box was computed
@@ -117,7 +126,7 @@ IMAGE_WARNINGS = ("missing_image", "unreadable_image", "image_size_mismatch")
 
 
 class BadInputError(ValueError):
-    """The inputs cannot be converted; raised before anything is written."""
+    """The inputs cannot be converted; nothing is left written."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -426,9 +435,11 @@ def default_tag(annotations_file):
     return name[len("instances_") :] if name.startswith("instances_") and name != "instances_" else name
 
 
-def default_num_shards(tag):
-    """DEFAULT_TRAIN_SHARDS for a tag containing 'train', else DEFAULT_OTHER_SHARDS (NVIDIA's counts)."""
-    return DEFAULT_TRAIN_SHARDS if "train" in tag else DEFAULT_OTHER_SHARDS
+def default_num_shards(tag, num_images):
+    """The shards of `num_images` images without --num_shards: one per IMAGES_PER_SHARD (at least one), at
+    most DEFAULT_TRAIN_SHARDS for a tag containing 'train', else DEFAULT_OTHER_SHARDS."""
+    most = DEFAULT_TRAIN_SHARDS if "train" in tag else DEFAULT_OTHER_SHARDS
+    return min(most, max(1, math.ceil(num_images / IMAGES_PER_SHARD)))
 
 
 def _serialize_example(result, include_masks, train):
@@ -558,7 +569,7 @@ def convert_coco(
       annotations_file: COCO instances JSON.
       output_dir: destination, created if needed.
       tag: shard name prefix; None derives it from the annotation file's name (default_tag).
-      num_shards: number of shards, 1..MAX_SHARDS; None: default_num_shards(tag).
+      num_shards: number of shards, 1..MAX_SHARDS; None: default_num_shards(tag, number of images).
       include_masks: write image/object/mask and check segmentations.
       num_workers: processes decoding images; None: the CPUs available; 1: no extra process.
       skip_empty: leave out images without any non-crowd instance (after the checks).
@@ -568,13 +579,13 @@ def convert_coco(
       ConversionSummary.
 
     Raises:
-      BadInputError: invalid annotation file, missing image_dir or bad arguments; nothing is written.
+      BadInputError: invalid annotation file, missing image_dir, bad arguments, or no image to write;
+        nothing is written.
     """
     tag = default_tag(annotations_file) if tag is None else tag
     if not tag or os.sep in tag:
         raise BadInputError(f"tag must be a non-empty file name prefix, got {tag!r}")
-    num_shards = default_num_shards(tag) if num_shards is None else num_shards
-    if not 1 <= num_shards <= MAX_SHARDS:
+    if num_shards is not None and not 1 <= num_shards <= MAX_SHARDS:
         raise BadInputError(f"num_shards must be in 1..{MAX_SHARDS}, got {num_shards}")
     num_workers = _default_num_workers() if num_workers is None else num_workers
     if num_workers < 1:
@@ -582,6 +593,8 @@ def convert_coco(
     dataset = load_annotations(annotations_file)
     if not os.path.isdir(image_dir):
         raise BadInputError(f"{image_dir}: the image directory does not exist")
+    if num_shards is None:
+        num_shards = default_num_shards(tag, len(dataset["images"]))
 
     by_image, orphans = _group_annotations(dataset)
     categories = {category["id"]: category["name"] for category in dataset["categories"]}
@@ -614,6 +627,8 @@ def convert_coco(
             summary.images_written += 1
             summary.instances += len(result.labels)
             summary.crowd_instances += sum(result.is_crowd)
+        if summary.images_written == 0:
+            raise BadInputError(_no_image_message(annotations_file, image_dir, len(tasks), warnings))
         for image_id, annotation_ids in orphans.items():
             warnings.setdefault(image_id, {})["unknown_image"] = annotation_ids
         for writer in writers:
@@ -632,6 +647,22 @@ def convert_coco(
                 files.remove(files.temporary_path(path))
     _note_stale_shards(output_dir, tag, shard_paths)
     return summary
+
+
+def _no_image_message(annotations_file, image_dir, num_images, warnings):
+    """Why a conversion of `num_images` images wrote none, in one line: the images skipped with the first one's
+    warning (missing files first: the likely cause is --image_dir) and what to do; `warnings` as convert_coco's."""
+    for kind, problem, fix in (
+            ("missing_image", "missing", f"; the file_name values of {annotations_file} are relative to --image_dir "
+                                         f"({image_dir}): give the directory that holds them"),
+            ("unreadable_image", "unreadable", "")):
+        found = [kinds[kind] for kinds in warnings.values() if kind in kinds]
+        if found:
+            more = ", ..." if len(found) > 1 else ""
+            return f"no image written: {problem} images: {len(found)} of {num_images} ({found[0]}{more}){fix}"
+    if num_images == 0:
+        return f"no image written: {annotations_file} lists no images"
+    return f"no image written: --skip_empty left out all {num_images} images (none has a non-crowd instance)"
 
 
 def _note_stale_shards(output_dir, tag, shard_paths):
@@ -654,8 +685,8 @@ def build_parser():
     parser.add_argument("--output_dir", required=True, help="where the shards and <tag>_warnings.json go")
     parser.add_argument("--tag", help="shard name prefix (default: from the annotation file, e.g. val2017)")
     parser.add_argument(
-        "--num_shards", type=int, help=f"shards (default: {DEFAULT_TRAIN_SHARDS} if the tag contains 'train', "
-        f"else {DEFAULT_OTHER_SHARDS})"
+        "--num_shards", type=int, help=f"shards (default: one per {IMAGES_PER_SHARD} images, at most "
+        f"{DEFAULT_TRAIN_SHARDS} if the tag contains 'train', else {DEFAULT_OTHER_SHARDS})"
     )
     masks = parser.add_mutually_exclusive_group()
     masks.add_argument(

@@ -28,11 +28,14 @@ RUNNERS = {
 
 # TensorFlow's start-up lines that say nothing a user acts on: the oneDNN banner, the CUDA probing of a
 # machine without a GPU, the CPU-instructions notice. TensorFlow >= 2.16 writes them through absl before
-# its log level applies, so TF_CPP_MIN_LOG_LEVEL alone cannot hide them.
+# its log level applies, so TF_CPP_MIN_LOG_LEVEL alone cannot hide them. Also oneDNN's notice that this CPU
+# lacks its kernels of a dtype ("oneDNN supports DT_HALF only on platforms with AVX-512"), logged as an
+# error although TensorFlow then runs its own kernels; import_tensorflow makes it come at start-up.
 STARTUP_NOISE = re.compile(
     r"All log messages before absl::InitializeLog|cudart_stub\.cc|cuda_platform\.cc.*cuInit|"
     r"port\.cc.*oneDNN custom operations|cpu_feature_guard\.cc|^To enable the following instructions|"
-    r"Unable to register cu(DNN|FFT|BLAS) factory|TF-TRT Warning|computation_placer\.cc")
+    r"Unable to register cu(DNN|FFT|BLAS) factory|TF-TRT Warning|computation_placer\.cc|"
+    r"util\.cc.*oneDNN supports DT_\w+ only on platforms with AVX-512")
 
 
 @contextlib.contextmanager
@@ -85,11 +88,26 @@ def import_tensorflow(onednn=None, verbose=False):
     """TensorFlow, as every command of the package starts it: environment set (set_tensorflow_environment),
     imported and its devices initialised (CUDA's probing happens there) with the start-up noise held back
     (quiet_tensorflow_start); with `verbose`, nothing held back and TensorFlow's Python logger at INFO.
-    Returns the `tensorflow` module."""
-    with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn, verbose=verbose)):
-        import tensorflow as tf
+    Returns the `tensorflow` module. Where TensorFlow is not installed (a Python outside .venv), exits with
+    status 2 after one line naming the fix.
+    """
+    try:
+        with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn, verbose=verbose)):
+            import tensorflow as tf
 
-        tf.config.list_physical_devices()
+            if not tf.config.list_physical_devices("GPU"):
+                # oneDNN says once per process, at the first op in a dtype it lacks kernels for on this CPU,
+                # that TensorFlow's own kernels run instead (STARTUP_NOISE): under --amp that is mid-run.
+                # An op in each --amp dtype makes it come here, held back. Not with a GPU: an op now would
+                # initialise the GPUs before a Horovod rank picks its own (runtime.distributed).
+                for dtype in (tf.float16, tf.bfloat16):
+                    tf.zeros([1], dtype)
+    except ModuleNotFoundError as err:
+        if err.name != "tensorflow":
+            raise
+        print(f"error: TensorFlow is not installed for {sys.executable}: run `make setup`, then "
+              "`source .venv/bin/activate` (or run .venv/bin/python)", file=sys.stderr)
+        sys.exit(status.BAD_INPUT)
     if verbose:
         tf.get_logger().setLevel(logging.INFO)
     return tf

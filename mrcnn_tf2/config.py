@@ -1,8 +1,8 @@
 """The package's configuration: typed, nested dataclasses with NVIDIA TF2 Mask R-CNN's defaults.
 
 One `Config` holds every setting of a run. Leaf names are those of NVIDIA's `config.py` and of the
-command-line flags, so a key reads the same in `--help`, `--print_config`, `--config_override` and the
-seeds' documentation. The sub-configs mirror the package: `data` for the input pipeline, `model` (with
+command-line flags, so a key reads the same in `--help`, `--print_config`, `--config_override` and
+NVIDIA's documentation. The sub-configs mirror the package: `data` for the input pipeline, `model` (with
 `anchors`, `rpn`, `roi`, `loss`, `test`) for the network, `train`, `eval`, `infer`, `export` and `runtime`
 for the loops.
 
@@ -356,8 +356,9 @@ class Config:
     def resolved(self) -> "Config":
         """A copy with every setting left to its rule (None) filled in; resolved configs are unchanged.
 
-        freeze_bn and freeze_blocks follow whether pretrained weights are loaded: the seeds' frozen batch
-        norm and first groups with them, everything trained from scratch.
+        freeze_bn and freeze_blocks follow whether pretrained weights are loaded: with them NVIDIA's
+        defaults for a pretrained backbone (batch norm frozen, the stem and the first residual stage frozen),
+        without them everything trained.
         """
         config = copy.deepcopy(self)
         model, pretrained = config.model, config.pretrained()

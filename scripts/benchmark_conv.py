@@ -15,20 +15,22 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from mrcnn_tf2.ops import conv as conv_ops  # noqa: E402
-from mrcnn_tf2.ops import fused as fused_ops  # noqa: E402
+import numpy as np
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, default=(2, 208, 336, 256), metavar=("B", "H", "W", "C"))
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # After parsing, so that --help answers at once. Not main.py's start-up (import_tensorflow): that turns
+    # oneDNN on, and this script compares TensorFlow's default with TF_ENABLE_ONEDNN_OPTS set by the caller.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from mrcnn_tf2.ops import conv as conv_ops
+    from mrcnn_tf2.ops import fused as fused_ops
+
     fused_ops.load_library()  # fail here, clearly, when the library is not built
     batch, height, width, channels = args.shape
     kernel_shape = (3, 3, channels, channels)

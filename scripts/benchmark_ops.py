@@ -4,23 +4,21 @@
 
 Prints one row per op: the median milliseconds of the twin and of the fused op, and the speed-up. The two
 run alternately, repeat after repeat, so that load from other jobs on a shared machine hits both alike;
-the median then drops the outliers. Sizes: an 832x1344 input, FPN P2..P5 with 256 channels, batch 2 (the
-seeds' training set-up); the train step is a small ResNet-18 at 256x256, batch 4. The 3x3 conv rows
+the median then drops the outliers. Sizes: an 832x1344 input, FPN P2..P5 with 256 channels, batch 2 (NVIDIA's
+training set-up); the train step is a small ResNet-18 at 256x256, batch 4. The 3x3 conv rows
 compare conv_ops.conv2d's Winograd route with its route when the ops are off, under oneDNN as main.py runs.
 """
 import argparse
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as main.py
+import numpy as np
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from mrcnn_tf2.cli import import_tensorflow
 
-from mrcnn_tf2.ops import anchors as anchor_ops  # noqa: E402
-from mrcnn_tf2.ops import conv as conv_ops  # noqa: E402
-from mrcnn_tf2.ops import fused, masks, roi_align, roi_ops  # noqa: E402
+# TensorFlow and the ops are imported inside the functions that use them, so that --help answers at once;
+# main() starts TensorFlow first, as main.py does (import_tensorflow: oneDNN on unless TF_ENABLE_ONEDNN_OPTS
+# says otherwise).
 
 IMAGE_SIZE = (832, 1344)
 BATCH = 2
@@ -39,6 +37,8 @@ def random_boxes(rng, shape, image_size, min_side=8.0, max_side=400.0):
 
 def finish(result):
     """Wait for every tensor of a result (TF runs ops asynchronously only until a value is read)."""
+    import tensorflow as tf
+
     for value in tf.nest.flatten(result):
         if isinstance(value, tf.Tensor):
             value.numpy()
@@ -59,6 +59,10 @@ def time_pair(twin, fused_fn, repeats):
 
 def roi_align_cases(rng):
     """(name, twin thunk, fused thunk) for the box and mask RoIAlign, forward and forward + backward."""
+    import tensorflow as tf
+
+    from mrcnn_tf2.ops import fused, roi_align
+
     features = {level: tf.constant(rng.normal(size=(BATCH, IMAGE_SIZE[0] // 2**level, IMAGE_SIZE[1] // 2**level,
                                                      CHANNELS)).astype(np.float32)) for level in (2, 3, 4, 5)}
     cases = []
@@ -81,6 +85,11 @@ def roi_align_cases(rng):
 
 
 def proposal_case(rng):
+    import tensorflow as tf
+
+    from mrcnn_tf2.ops import anchors as anchor_ops
+    from mrcnn_tf2.ops import fused, roi_ops
+
     anchors = anchor_ops.generate_anchors(2, 6, 1, ASPECT_RATIOS, 8.0, IMAGE_SIZE)
     scores, deltas = {}, {}
     for level in anchors:
@@ -96,6 +105,10 @@ def proposal_case(rng):
 
 
 def mask_target_case(rng):
+    import tensorflow as tf
+
+    from mrcnn_tf2.ops import fused, masks
+
     gt_boxes = random_boxes(rng, (BATCH, 128), IMAGE_SIZE)
     rois = tf.constant(gt_boxes + rng.uniform(-16, 16, size=gt_boxes.shape).astype(np.float32))
     gt_boxes = tf.constant(gt_boxes)
@@ -107,6 +120,11 @@ def mask_target_case(rng):
 
 
 def rpn_target_case(rng):
+    import tensorflow as tf
+
+    from mrcnn_tf2.ops import anchors as anchor_ops
+    from mrcnn_tf2.ops import fused
+
     anchors = anchor_ops.generate_anchors(2, 6, 1, ASPECT_RATIOS, 8.0, IMAGE_SIZE)
     gt = np.full((100, 4), -1.0, np.float32)
     gt[:20] = random_boxes(rng, (20,), IMAGE_SIZE, 16.0, 400.0)
@@ -119,6 +137,8 @@ def rpn_target_case(rng):
 
 
 def paste_case(rng):
+    from mrcnn_tf2.ops import fused, masks
+
     boxes = random_boxes(rng, (100,), (800, 1333), 16.0, 400.0)
     probs = rng.uniform(size=(100, 28, 28)).astype(np.float32)
     return ("paste + RLE-encode 100 masks into 800x1333, threshold 0.5",
@@ -129,6 +149,10 @@ def paste_case(rng):
 def conv_cases(rng):
     """The model's 3x3 256->256 convs: FPN/RPN on P2 (forward at batch 1 and 2, with gradients at batch 2)
     and the mask head's over 100 RoIs."""
+    import tensorflow as tf
+
+    from mrcnn_tf2.ops import conv as conv_ops
+
     kernel = tf.constant(rng.normal(scale=0.03, size=(3, 3, CHANNELS, CHANNELS)).astype(np.float32))
     cases = []
     for name, shape, backward in [
@@ -152,9 +176,11 @@ def conv_cases(rng):
 def train_step_case(rng):
     """One train step of ResNet-18 at 256x256, batch 4 (default RPN/RoI settings), ops off vs on."""
     import keras
+    import tensorflow as tf
 
     from mrcnn_tf2.config import Config
     from mrcnn_tf2.model.factory import build_anchors, build_model
+    from mrcnn_tf2.ops import anchors as anchor_ops
 
     image_size, batch, max_instances, mask_size = (256, 256), 4, 8, 28
     config = Config()
@@ -187,12 +213,15 @@ def train_step_case(rng):
     return TRAIN_STEP_NAME, steps["off"], steps["on"]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed calls of each implementation")
     parser.add_argument("--no-train-step", action="store_true", help="skip the whole-step comparison")
     parser.add_argument("--only", default="", metavar="TEXT", help="time only the rows whose name contains TEXT")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    tf = import_tensorflow()
+    from mrcnn_tf2.ops import fused
+
     fused.load_library()  # fail here, clearly, when the library is not built
     rng = np.random.default_rng(0)
     cases = roi_align_cases(rng) + [proposal_case(rng), mask_target_case(rng), rpn_target_case(rng), paste_case(rng)]

@@ -15,8 +15,6 @@ import tempfile
 import time
 
 from mrcnn_tf2.config import Config
-from mrcnn_tf2.data.pipeline import InputPipeline
-from mrcnn_tf2.model.factory import build_anchors, choose_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +44,10 @@ def generated_records(directory, num_images):
 
 def measure(file_pattern, image_size, batch_size, warmup, batches):
     """img/s of the training pipeline over `batches` batches after `warmup` batches."""
+    # Here, not at the top: --help, and the sibling scripts that import this one, answer without TensorFlow.
+    from mrcnn_tf2.data.pipeline import InputPipeline
+    from mrcnn_tf2.model.factory import build_anchors, choose_ops
+
     config = Config()
     config.data.image_size = tuple(image_size)
     # The anchors and the RPN-target op a model of this config would give the pipeline.

@@ -29,15 +29,11 @@ import sys
 import tempfile
 import time
 
-from mrcnn_tf2.cli import set_tensorflow_environment
+from mrcnn_tf2.arguments import check_inputs, parse
+from mrcnn_tf2.cli import import_tensorflow
 
-set_tensorflow_environment()  # before TensorFlow's import, as main.py: profile the kernels main.py runs
-
-import tensorflow as tf  # noqa: E402
-from tensorflow.python.framework import op_def_registry  # noqa: E402
-from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
-
-from mrcnn_tf2.arguments import check_inputs, parse  # noqa: E402
+# TensorFlow is imported inside the functions that use it, so that --help answers at once; main() starts it
+# first as main.py does (import_tensorflow), to profile the kernels main.py runs.
 
 # The model's learned parts by the Keras scope of their ops (the layer's name, which Keras derives from its
 # class and suffixes with _N in each trace).
@@ -77,6 +73,8 @@ def predict_step(config):
 
 def op_events(logdir):
     """Yields (op name, op type, seconds) of every TensorFlow op kernel the profiler recorded on the host."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
     (path,) = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
@@ -99,6 +97,8 @@ def op_events(logdir):
 def op_type(kernel):
     """The op type that a kernel's event stands for: oneDNN's kernels by the op they replace (ONEDNN_KERNEL),
     so that a profile reads the same with oneDNN on or off."""
+    from tensorflow.python.framework import op_def_registry
+
     match = ONEDNN_KERNEL.match(kernel)
     if not match:
         return kernel
@@ -130,6 +130,7 @@ def main(argv=None):
     if cli.mode not in ("train", "infer"):
         parser.error(f"the main.py mode after -- must be train or infer, got {cli.mode}")
     check_inputs(cli.mode, config)
+    tf = import_tensorflow(cli.onednn, config.runtime.verbose)
     step = train_step(config) if cli.mode == "train" else predict_step(config)
     for _ in range(WARMUP_STEPS):
         step()

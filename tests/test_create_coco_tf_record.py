@@ -361,6 +361,28 @@ def test_missing_image_dir_is_an_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_conversion_that_writes_no_image_exits_2_naming_the_first_missing_file(tmp_path, capsys):
+    """A wrong --image_dir (every file_name missing) stops with one line and no shard; the right one converts
+    the 3 images into one shard, the default count for 3 images."""
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    names = ["a.jpg", "b.jpg", "c.jpg"]
+    for name in names:
+        write_jpeg(image_dir / name, 8, 8)
+    dataset = {"images": [{"id": i + 1, "file_name": n, "height": 8, "width": 8} for i, n in enumerate(names)],
+               "annotations": [], "categories": [{"id": 1, "name": "thing"}]}
+    annotations_file = write_json(tmp_path / "instances_train.json", dataset)
+    output_dir = tmp_path / "out"
+    argv = ["--annotations_file", annotations_file, "--output_dir", str(output_dir), "--num_workers", "1"]
+    assert converter.main(["--image_dir", str(tmp_path), *argv]) == status.BAD_INPUT
+    (line,) = [text for text in capsys.readouterr().err.splitlines() if "error" in text]  # under the progress bar
+    for part in ("no image written", "3 of 3", str(tmp_path / "a.jpg"), f"--image_dir ({tmp_path})", annotations_file):
+        assert part in line, (part, line)
+    assert os.listdir(output_dir) == []
+    assert converter.main(["--image_dir", str(image_dir), *argv]) == status.OK
+    assert sorted(os.listdir(output_dir)) == ["train-00000-of-00001.tfrecord", "train_warnings.json"]
+
+
 def test_worker_failure_leaves_no_shard_or_temporary(tmp_path, monkeypatch):
     image_dir = tmp_path / "images"
     image_dir.mkdir()
@@ -474,7 +496,10 @@ def test_flags_and_defaults():
     assert converter.default_tag("/data/annotations/instances_val2017.json") == "val2017"
     assert converter.default_tag("instances_train.json") == "train"
     assert converter.default_tag("my_labels.json") == "my_labels"
-    assert converter.default_num_shards("train2017") == 256 and converter.default_num_shards("val2017") == 32
+    # NVIDIA's counts for COCO, one shard per 64 images below them, never more shards than images.
+    assert converter.default_num_shards("train2017", 118287) == 256
+    assert converter.default_num_shards("val2017", 5000) == 32
+    assert [converter.default_num_shards("train", n) for n in (0, 3, 64, 65, 640)] == [1, 1, 1, 2, 10]
 
 
 def test_compressed_rle_counts_match_pycocotools(rng):

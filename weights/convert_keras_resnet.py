@@ -41,12 +41,11 @@ import numpy as np
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.cli import import_tensorflow
 
-tf = import_tensorflow()  # before keras and the model: TensorFlow's start-up as main.py has it
-import keras  # noqa: E402
-from mrcnn_tf2.model.backbone import BN_EPSILON, ResNet  # noqa: E402
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, backbone_metadata  # noqa: E402
+# TensorFlow, Keras and the model are imported inside the functions that use them, so that --help answers
+# at once; main() starts TensorFlow first, as main.py does (import_tensorflow).
 
-KERAS_RESNETS = {50: keras.applications.ResNet50, 101: keras.applications.ResNet101}
+# Depths of keras.applications' ImageNet ResNets (keras.applications.ResNet50, ResNet101).
+KERAS_DEPTHS = (50, 101)
 # keras.applications.imagenet_utils 'caffe' mode subtracts this mean from BGR pixels; listed here in RGB order.
 CAFFE_MEAN_RGB = (123.68, 116.779, 103.939)
 # Layers of a file with the classifier top that the backbone has no use for.
@@ -107,6 +106,9 @@ def load_keras_resnet(path, depth, expected):
     Raises:
       ValueError naming `path` when it is missing, unreadable, or its layers do not match the depth.
     """
+    import keras
+    import tensorflow as tf
+
     if not tf.io.gfile.exists(path):
         raise ValueError(f"--h5 {path}: no such file")
     if path.endswith(".keras"):
@@ -117,13 +119,13 @@ def load_keras_resnet(path, depth, expected):
         check_layer_names(path, depth, [layer.name for layer in model.layers if layer.weights], expected)
         return model
     check_layer_names(path, depth, _h5_weighted_layer_names(path), expected)
-    model = KERAS_RESNETS[depth](weights=None, include_top=False)
+    model = getattr(keras.applications, f"ResNet{depth}")(weights=None, include_top=False)
     # By name, so that a file with the classifier top loads into the model without it.
     model.load_weights(path, by_name=True)
     return model
 
 
-def fold_input_normalization(kernel, bias, input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD):
+def fold_input_normalization(kernel, bias, input_mean=None, input_std=None):
     """Rewrites keras.applications' first conv for RGB input normalised as (pixel - input_mean) / input_std.
 
     The original conv sees caffe input x_bgr[j] = pixel[2 - j] - CAFFE_MEAN_RGB[2 - j]; with
@@ -133,11 +135,15 @@ def fold_input_normalization(kernel, bias, input_mean=IMAGENET_MEAN, input_std=I
     Args:
       kernel: [KH, KW, 3, C] float, input channels in BGR order.
       bias: [C] float.
-      input_mean, input_std: 3 floats each, RGB order, 0..255 scale.
+      input_mean, input_std: 3 floats each, RGB order, 0..255 scale; None: ImageNet's, as the pipeline's.
 
     Returns:
       (kernel [KH, KW, 3, C] float32 for RGB input, bias [C] float32).
     """
+    from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
+
+    input_mean = IMAGENET_MEAN if input_mean is None else input_mean
+    input_std = IMAGENET_STD if input_std is None else input_std
     kernel = np.asarray(kernel, np.float64)
     if kernel.ndim != 4 or kernel.shape[2] != 3:
         raise ValueError(f"kernel: expected [KH, KW, 3, C], got shape {kernel.shape}")
@@ -150,6 +156,8 @@ def fold_input_normalization(kernel, bias, input_mean=IMAGENET_MEAN, input_std=I
 
 def _copy_conv_bn(target, conv, bn, path, input_normalization=None):
     """Assigns keras layers `conv` (+ bias) and `bn` to the ConvBN `target`, folding bias and epsilon into BN."""
+    from mrcnn_tf2.model.backbone import BN_EPSILON
+
     kernel = np.asarray(conv.kernel, np.float32)
     bias = np.asarray(conv.bias, np.float32) if conv.use_bias else np.zeros(kernel.shape[-1], np.float32)
     if input_normalization is not None:
@@ -169,19 +177,23 @@ def _copy_conv_bn(target, conv, bn, path, input_normalization=None):
         variable.assign(value)
 
 
-def convert_keras_resnet(keras_model, depth, path="keras model", input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD):
+def convert_keras_resnet(keras_model, depth, path="keras model", input_mean=None, input_std=None):
     """Our ResNet(depth, stride_in_1x1=True) with the weights of a keras.applications ResNet.
 
     Args:
       keras_model: keras.applications ResNet{depth} (or a model with the same layer names), built.
       depth: 50 or 101.
       path: names the source in errors.
-      input_mean, input_std: RGB normalisation (0..255 scale) of the images the backbone will see; the
-        pipeline's by default. CAFFE_MEAN_RGB with std (1, 1, 1) keeps keras' own input, channels reversed.
+      input_mean, input_std: RGB normalisation (0..255 scale) of the images the backbone will see; None:
+        the pipeline's. CAFFE_MEAN_RGB with std (1, 1, 1) keeps keras' own input, channels reversed.
 
     Returns:
       A built `ResNet` (freeze_bn and freeze_blocks at their defaults; they do not affect the variables).
     """
+    import tensorflow as tf
+
+    from mrcnn_tf2.model.backbone import ResNet
+
     resnet = ResNet(depth, stride_in_1x1=True)
     resnet(tf.zeros([1, BUILD_SIDE, BUILD_SIDE, 3]), training=False)
     for layer in conv_bn_layers(resnet):
@@ -211,6 +223,8 @@ def _check_complete(prefix, resnet):
     tf.train.Checkpoint follows TF's object graph, not Keras' layer tracking: layers that only Keras tracks
     (held in lists, with Keras 3.15) are silently left out, and a reader built the same way would not notice.
     """
+    import tensorflow as tf
+
     saved = [name for name, _ in tf.train.list_variables(prefix) if name != "_CHECKPOINTABLE_OBJECT_GRAPH"]
     expected = len({id(variable) for variable in resnet.weights})
     if len(saved) != expected:
@@ -224,6 +238,8 @@ def write_checkpoint(resnet, prefix, metadata):
     Returns the prefix. Raises RuntimeError when the checkpoint would miss some of the backbone's variables.
     On failure the temporary files are removed and `prefix` is left as it was.
     """
+    import tensorflow as tf
+
     directory = os.path.dirname(prefix)
     if directory:
         os.makedirs(directory, exist_ok=True)
@@ -246,8 +262,11 @@ def convert_file(path, prefix, depth=50):
 
     Returns the metadata written to PREFIX.json. Raises ValueError naming the file on bad input.
     """
-    if depth not in KERAS_RESNETS:
-        raise ValueError(f"--depth {depth}: keras.applications weights convert for depths {sorted(KERAS_RESNETS)}")
+    from mrcnn_tf2.model.backbone import ResNet
+    from mrcnn_tf2.model.pretrained import backbone_metadata
+
+    if depth not in KERAS_DEPTHS:
+        raise ValueError(f"--depth {depth}: keras.applications weights convert for depths {list(KERAS_DEPTHS)}")
     expected = expected_layer_names(ResNet(depth, stride_in_1x1=True))
     keras_model = load_keras_resnet(path, depth, expected)
     resnet = convert_keras_resnet(keras_model, depth, path)
@@ -260,7 +279,7 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--h5", required=True, help="keras.applications ResNet weights (.h5) or model (.h5/.keras)")
     parser.add_argument("--output", required=True, help="checkpoint prefix to write (PREFIX.index, PREFIX.json)")
-    parser.add_argument("--depth", type=int, choices=sorted(KERAS_RESNETS), default=50, help="ResNet depth")
+    parser.add_argument("--depth", type=int, choices=KERAS_DEPTHS, default=50, help="ResNet depth")
     return parser
 
 
@@ -268,6 +287,7 @@ def main(argv=None):
     """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, BAD_INPUT when the file cannot be
     converted, or FAILURE when the backbone's checkpoint would miss variables (nothing is written then)."""
     args = build_parser().parse_args(argv)
+    import_tensorflow()
     try:
         metadata = convert_file(args.h5, args.output, args.depth)
     except ValueError as err:

@@ -52,18 +52,13 @@ from mrcnn_tf2 import files, presets, status
 from mrcnn_tf2.cli import import_tensorflow
 from mrcnn_tf2.config import Config, ConfigError
 
-tf = import_tensorflow()  # before the model: TensorFlow's start-up as main.py has it
-from mrcnn_tf2.model.backbone import (BLOCKS_PER_GROUP, BN_EPSILON, BOTTLENECK_DEPTHS,  # noqa: E402
-                                      BOTTLENECK_EXPANSION, GROUP_FILTERS, STEM_FILTERS)
-from mrcnn_tf2.model.factory import BOX_ROI_SIZE, MASK_ROI_SIZE, build_model  # noqa: E402
+# TensorFlow and the model are imported inside the functions that use them, so that --help answers at once;
+# main() starts TensorFlow first, as main.py does (import_tensorflow).
 
 PRESET = "torchvision"
 CONVERSION_FILE = "conversion.json"
 # nn.BatchNorm2d's eps (torchvision builds maskrcnn_resnet50_fpn with it when no pretrained weights are given).
 TORCH_BATCH_NORM_EPS = 1e-5
-# Our batch norm keeps the folded affine map with moving mean 0 and this moving variance: in float32,
-# UNIT_VARIANCE + BN_EPSILON is exactly 1, so its scale gamma * rsqrt(var + eps) is gamma (to rsqrt's last bit).
-UNIT_VARIANCE = np.float32(1.0) - np.float32(BN_EPSILON)
 # torchvision's MaskRCNNHeads: four 3x3 convs (our MaskHead's default num_convs).
 MASK_HEAD_CONVS = 4
 # Side of the zero images that create the model's variables before they are assigned (2**max_level of the
@@ -402,6 +397,10 @@ class Entry:
 def torchvision_layout(config):
     """The Entries of torchvision's Mask R-CNN for `config` (the preset, with its number of classes and ResNet
     depth), in state-dict order."""
+    from mrcnn_tf2.model.backbone import (BLOCKS_PER_GROUP, BOTTLENECK_DEPTHS, BOTTLENECK_EXPANSION, GROUP_FILTERS,
+                                          STEM_FILTERS)
+    from mrcnn_tf2.model.factory import BOX_ROI_SIZE
+
     model = config.model
     depth = int(model.backbone.removeprefix("resnet"))
     expansion = BOTTLENECK_EXPANSION if depth in BOTTLENECK_DEPTHS else 1
@@ -459,6 +458,8 @@ def check_is_mask_rcnn(tensors, path):
     (number of classes, ResNet depth): the classes read from the class logits (or the mask logits when those
     are missing: the full check names the key), the depth from the blocks per stage and whether they are
     bottlenecks (a conv3)."""
+    from mrcnn_tf2.model.backbone import BLOCKS_PER_GROUP, BOTTLENECK_DEPTHS
+
     missing = [f"{prefix.rstrip('.')} ({part})" for prefix, part in PARTS.items()
                if not any(key.startswith(prefix) for key in tensors)]
     if missing:
@@ -566,12 +567,17 @@ def dense_kernel(weight, chw_input=()):
 
 def convert_entry(entry, tensors, eps):
     """[(attribute path of a variable in the entry's layer, float32 value)] of one torchvision layer."""
+    from mrcnn_tf2.model.backbone import BN_EPSILON
+
     weight = tensors[f"{entry.key}.weight"].astype(np.float64)
     if entry.kind == CONV_BN:
         scale, shift = fold_batch_norm(*(tensors[f"{entry.bn_key}.{name}"] for name in BN_PARAMETERS), eps)
+        # Our batch norm keeps the folded affine map with moving mean 0 and this moving variance: in float32,
+        # it + BN_EPSILON is exactly 1, so its scale gamma * rsqrt(var + eps) is gamma (to rsqrt's last bit).
+        unit_variance = np.float32(1.0) - np.float32(BN_EPSILON)
         values = [(("conv", "kernel"), conv_kernel(weight)), (("bn", "gamma"), scale), (("bn", "beta"), shift),
                   (("bn", "moving_mean"), np.zeros_like(scale)),
-                  (("bn", "moving_variance"), np.full_like(scale, UNIT_VARIANCE))]
+                  (("bn", "moving_variance"), np.full_like(scale, unit_variance))]
     else:
         bias = tensors[f"{entry.key}.bias"].astype(np.float64)
         if entry.swap_xy:
@@ -616,6 +622,10 @@ def torchvision_config(num_classes, depth, output_dir):
 def build_model_variables(config):
     """build_model(config, export=True) (pure TF ops) with every variable created, by running its learned
     layers once on zeros."""
+    import tensorflow as tf
+
+    from mrcnn_tf2.model.factory import BOX_ROI_SIZE, MASK_ROI_SIZE, build_model
+
     model = build_model(config, export=True)
     width = config.model.fpn_num_filters
     features = model.fpn(model.backbone(tf.zeros([1, BUILD_SIDE, BUILD_SIDE, 3]), training=False), training=False)
@@ -650,6 +660,8 @@ def write_model_dir(model, config, output_dir, metadata):
     """Writes output_dir as training would (checkpoint ckpt-0 of model and step 0, config.json) plus
     conversion.json (`metadata`), under a temporary name renamed at the end (an existing output_dir is
     replaced). Raises RuntimeError when the checkpoint would miss some of the model's variables."""
+    import tensorflow as tf
+
     output_dir = os.path.abspath(output_dir)
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
     with files.atomic_path(output_dir) as temporary:
@@ -729,6 +741,7 @@ def main(argv=None):
     """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, BAD_INPUT when the file cannot be
     converted (nothing is written), FAILURE when the model would not take every weight."""
     args = build_parser().parse_args(argv)
+    import_tensorflow()
     try:
         metadata = convert_file(args.input, args.output_dir, args.bn_eps)
     except ValueError as err:

@@ -45,3 +45,17 @@ def set_precision(amp, amp_dtype="auto"):
             policy = f"mixed_{dtype}"
     keras.mixed_precision.set_global_policy(policy)
     return policy
+
+
+def describe_precision(policy, amp, loss_scaled=False):
+    """The run's precision in one line, which train and the predictor print at start-up.
+
+    Args:
+      policy: the name set_precision returned.
+      amp: --amp, which tells set_precision's float32 fallback from a float32 run.
+      loss_scaled: a training run that scales its loss (mixed_float16).
+    """
+    if policy == "float32":
+        return "precision float32" + (" (--amp fell back: this CPU has no bfloat16 instructions)" if amp else "")
+    line = f"precision {policy}: {policy.removeprefix('mixed_')} compute, float32 variables"
+    return line + ("; dynamic loss scaling" if loss_scaled else "")

@@ -17,7 +17,7 @@ from typing import Optional
 import tensorflow as tf
 
 from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
-from mrcnn_tf2.runtime.precision import set_precision
+from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 
 # One traced predict function per model, so that repeated evaluations during training trace once.
 _PREDICT_FUNCTIONS = weakref.WeakKeyDictionary()
@@ -89,7 +89,7 @@ def load_model(config, require_checkpoint=True, export=False):
 
     Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
     trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
-    Prints the ops the model was built with (`OpChoice.describe`).
+    Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`).
 
     Args:
       config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
@@ -110,6 +110,7 @@ def load_model(config, require_checkpoint=True, export=False):
     policy = set_precision(config.runtime.amp, config.runtime.amp_dtype)
     model = build_model(config, export=export)
     ops = choose_ops(config, export=export)
+    print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
     print(f"[model] {ops.describe()}", flush=True)
     height, width = config.data.image_size
     batch_size = config.eval.eval_batch_size

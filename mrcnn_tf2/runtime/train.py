@@ -36,7 +36,7 @@ from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint,
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS, init_world
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
-from mrcnn_tf2.runtime.precision import set_precision
+from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
 
 
@@ -284,6 +284,7 @@ class Trainer:
         config, runtime = self.config, self.config.runtime
         accumulate = config.train.accumulate_steps
         if self.world.is_chief:
+            print(f"[train] {describe_precision(self.policy, runtime.amp, self.loss_scaled)}", flush=True)
             print(f"[train] {self.ops.describe()}", flush=True)
         # Where to resume is known only after restoring, which needs built variables: peek one batch first.
         first = next(iter(self.dataset(0)))
@@ -385,8 +386,9 @@ class Trainer:
                     "or give --backbone_checkpoint)")
         frozen = f"blocks {list(model.freeze_blocks)} frozen" if model.freeze_blocks else "no block frozen"
         return (f"no pretrained weights: training from scratch with batch norm on batch statistics and {frozen} "
-                "(--backbone_checkpoint keeps the seeds' frozen batch norm and blocks [0, 1]; "
-                "--config_override model.freeze_bn / model.freeze_blocks set them)")
+                "(with --backbone_checkpoint, NVIDIA's defaults for a pretrained backbone: batch norm frozen, "
+                "the stem and the first residual stage frozen; --config_override model.freeze_bn / "
+                "model.freeze_blocks set them)")
 
     def _check_finite(self, step, values):
         # Loss scaling overflows the gradients, never the loss: a non-finite loss is divergence in any policy.
