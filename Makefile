@@ -12,7 +12,12 @@ demo:
 	@.venv/bin/python scripts/demo.py
 
 # The suite with oneDNN's kernels, as main.py runs it, then the tests marked onednn (pytest.ini) again with
-# TensorFlow's own kernels: TensorFlow's default on CPUs without AVX512-VNNI, AVX512-BF16 or AMX.
+# TensorFlow's own kernels: TensorFlow's default on CPUs without AVX512-VNNI, AVX512-BF16 or AMX. Two pytest-xdist
+# workers share the machine's cores (docs/TESTING.md); the wall time of both passes is printed at the end.
+PYTEST = .venv/bin/python -m pytest -n 2 --dist loadgroup
 test: setup
-	@TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python -m pytest
-	@TF_ENABLE_ONEDNN_OPTS=0 .venv/bin/python -m pytest -m onednn
+	@start=$$(date +%s); status=0; \
+	TF_ENABLE_ONEDNN_OPTS=1 $(PYTEST) || status=$$?; \
+	if [ $$status = 0 ]; then TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) -m onednn || status=$$?; fi; \
+	echo "[test] both passes: $$(( $$(date +%s) - start )) s wall, exit status $$status"; \
+	exit $$status

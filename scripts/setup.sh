@@ -60,4 +60,4 @@ if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
     echo "$want" > "$stamp"
   fi
 fi
-echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"
+echo "[setup] ready in ${SECONDS} s: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"

@@ -1,9 +1,14 @@
-"""Shared pytest set-up: torch without Triton, quiet TensorFlow, fixed seeds.
+"""Shared pytest set-up: torch without Triton, quiet TensorFlow, fixed seeds, and the expensive inputs that several
+test modules read (generated data, a trained small model), made once per test run.
 
 The tests import the repository's top-level main.py, dataset/, weights/, scripts/ and tests/ modules:
 pytest.ini's `pythonpath = .` puts the repository root on sys.path (the package itself is installed, editable).
+Helpers shared by test modules are in tests/support.py.
 """
+import fcntl
+import json
 import os
+import shutil
 import sys
 
 # Before anything imports torch: in a process that has loaded TensorFlow, importing torchvision segfaults
@@ -16,11 +21,33 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.support import (SCHEDULE_FLAGS, SMALL_FLAGS, TRAINED_STEPS, run_converter,  # noqa: E402
+                           torchvision_v1_model)
+
 
 @pytest.fixture
 def rng():
     """A seeded NumPy generator, so that every random test input is reproducible."""
     return np.random.default_rng(0)
+
+
+def built_once(tmp_path_factory, name, build):
+    """The directory `name`, made by `build(directory)` once per test run and shared by pytest-xdist's workers:
+    the first worker to ask builds it under a lock and marks it done, and the others wait for it (a build that
+    failed is retried, from an empty directory). Read it only: a test that changes it works on a copy
+    (shutil.copytree)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    target, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            build(target)
+            done.touch()
+    return target
 
 
 @pytest.fixture(scope="session")
@@ -29,20 +56,61 @@ def shapes_records(tmp_path_factory):
 
     Seed 6 gives train images without objects and a crowd region, which the pipeline tests need.
     """
-    import json
+    def build(root):
+        from dataset.create_coco_tf_record import convert_coco
+        from dataset.make_shapes_dataset import make_shapes_dataset
 
-    from dataset.create_coco_tf_record import convert_coco
-    from dataset.make_shapes_dataset import make_shapes_dataset
+        make_shapes_dataset(str(root), num_train=6, num_val=5, seed=6, min_size=64, max_size=128)
+        for split, shards in (("train", 2), ("val", 1)):
+            convert_coco(str(root / split), str(root / "annotations" / f"instances_{split}.json"),
+                         str(root / "tfrecords"), tag=split, num_shards=shards, num_workers=1, progress=False)
 
-    root = tmp_path_factory.mktemp("shapes_records")
-    make_shapes_dataset(str(root), num_train=6, num_val=5, seed=6, min_size=64, max_size=128)
+    root = built_once(tmp_path_factory, "shapes_records", build)
     out = root / "tfrecords"
     annotations = {}
-    for split, shards in (("train", 2), ("val", 1)):
-        annotations_file = root / "annotations" / f"instances_{split}.json"
-        convert_coco(str(root / split), str(annotations_file), str(out), tag=split, num_shards=shards,
-                     num_workers=1, progress=False)
-        with open(annotations_file) as f:
+    for split in ("train", "val"):
+        with open(root / "annotations" / f"instances_{split}.json") as f:
             annotations[split] = json.load(f)
     return {"data_dir": str(out), "train": str(out / "train-*.tfrecord"), "val": str(out / "val-*.tfrecord"),
             "annotations": annotations, "val_json": str(root / "annotations" / "instances_val.json")}
+
+
+@pytest.fixture(scope="session")
+def trained_model(tmp_path_factory, shapes_records):
+    """The model directory of the small model (SMALL_FLAGS) trained from scratch on shapes_records for
+    TRAINED_STEPS steps (2 epochs of SCHEDULE_FLAGS), a checkpoint at every step (ckpt-1 .. ckpt-4), its
+    log.jsonl and config.json. Read it only; a test that trains, evaluates or writes into it takes a copy."""
+    def build(model_dir):
+        from mrcnn_tf2.cli import main
+
+        assert main(["train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(model_dir),
+                     *SMALL_FLAGS, *SCHEDULE_FLAGS, "--epochs", str(TRAINED_STEPS // 2),
+                     "--checkpoint_every", "1"]) == 0
+
+    return built_once(tmp_path_factory, "trained_model", build)
+
+
+
+@pytest.fixture(scope="session")
+def torchvision_v1(tmp_path_factory):
+    """The suite's torchvision Mask R-CNN v1 (support.torchvision_v1_model), saved with torch.save and converted
+    by weights/convert_torchvision.py: dict of state_dict (the .pth path), model_dir (the conversion) and
+    converter_output (what the converter printed)."""
+    def build(folder):
+        import torch
+
+        torch.save(torchvision_v1_model().state_dict(), folder / "maskrcnn_resnet50_fpn.pth")
+        code, out, err = run_converter("--input", folder / "maskrcnn_resnet50_fpn.pth", "--output_dir",
+                                       folder / "model")
+        assert code == 0, err
+        (folder / "converter_output.txt").write_text(out)
+
+    folder = built_once(tmp_path_factory, "torchvision_v1", build)
+    return {"state_dict": folder / "maskrcnn_resnet50_fpn.pth", "model_dir": folder / "model",
+            "converter_output": (folder / "converter_output.txt").read_text()}
+
+def pytest_collection_modifyitems(items):
+    """The modules with slow tests first, each module's tests kept together (its module fixtures made once): the
+    two pytest-xdist workers take tests in this order, so the long ones start early and short ones fill the end."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow_modules)

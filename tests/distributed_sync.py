@@ -1,12 +1,10 @@
-"""One rank of test_distributed's sync test, run under `horovodrun -np 2`: python tests/distributed_sync.py OUT_DIR STEPS.
+"""One rank of test_distributed's sync test, run under `horovodrun -np 2` from the repository's root:
+python -m tests.distributed_sync OUT_DIR STEPS.
 
 Each rank builds the Trainer of `sync_config` with its own seed (so the weights differ until the
 broadcast), takes its image of the fixed two-image batch (rank r: image r), runs STEPS updates and writes
 OUT_DIR/rank<r>.npz: the trainable weights after the broadcast (`initial_<i>`) and after the updates
 (`final_<i>`), in model.trainable_variables order.
-
-It imports its test helpers as siblings (Python puts the directory of the script it runs first on sys.path),
-so that it runs from any directory; test_distributed imports it, and pytest puts tests/ on sys.path too.
 """
 
 import os
@@ -19,32 +17,14 @@ import tensorflow as tf  # noqa: E402
 
 from mrcnn_tf2.runtime.distributed import init_world  # noqa: E402
 from mrcnn_tf2.runtime.logger import RunLogger  # noqa: E402
-from mrcnn_tf2.runtime.train import Trainer  # noqa: E402
-from test_model import small_config, synthetic_batch  # noqa: E402
-from test_train import equally_weighted_config  # noqa: E402
-
-
-def sync_config(batch_size, seed, model_dir):
-    """test_train's equally weighted Faster R-CNN, `batch_size` images per rank."""
-    config = equally_weighted_config()
-    config.train.train_batch_size = batch_size
-    config.train.seed = seed
-    config.train.steps_per_epoch = 10
-    config.data.training_file_pattern = "/nonexistent/train-*.tfrecord"  # never read: steps_per_epoch is set
-    config.runtime.model_dir = model_dir
-    return config
-
-
-def combined_batch():
-    """The two-image batch, one object in each image."""
-    return synthetic_batch(small_config(), objects_per_image=(1, 1))
+from tests.support import combined_batch, sync_config, trainer_for  # noqa: E402
 
 
 def main(out_dir, steps):
     world = init_world()
     if world.size != 2:
         raise SystemExit(f"run under horovodrun -np 2 (world size is {world.size})")
-    trainer = Trainer(sync_config(1, seed=1 + world.rank, model_dir=os.path.join(out_dir, "model")), world)
+    trainer = trainer_for(sync_config(1, seed=1 + world.rank, model_dir=os.path.join(out_dir, "model")), world)
     batch = tf.nest.map_structure(lambda t: t[world.rank:world.rank + 1], combined_batch())
     trainer._restore_or_initialise(batch, RunLogger(os.devnull, verbose=False))
     initial = [v.numpy() for v in trainer.model.trainable_variables]

@@ -11,8 +11,7 @@ from mrcnn_tf2 import devices
 from mrcnn_tf2.runtime import precision
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.status import FAILURE
-from test_model import small_config, synthetic_batch
-from test_train import equally_weighted_config, read_log, trainer_for
+from tests.support import equally_weighted_config, read_log, small_config, synthetic_batch, trainer_for
 
 
 @pytest.fixture(autouse=True)
@@ -119,18 +118,14 @@ def test_overflow_step_is_skipped_counted_and_counters_agree():
 
 
 def run_config(tmp_path, data_dir, steps, amp_dtype=None, **train):
+    """The small model's training run of one epoch of `steps` steps, logging each, without a warm-up floor."""
     config = small_config()
     config.data.data_dir = data_dir
-    config.model.num_classes = 6
-    config.data.max_num_instances = 8
     config.runtime.model_dir = str(tmp_path)
     config.runtime.log_every = 1
-    config.runtime.log_warmup_steps = 1
-    config.train.train_batch_size = 2
     config.train.steps_per_epoch = steps
     config.train.epochs = 1
     config.train.warmup_min_steps = 0
-    config.train.seed = 1
     if amp_dtype is not None:
         config.runtime.amp, config.runtime.amp_dtype = True, amp_dtype
     for key, value in train.items():
@@ -176,6 +171,7 @@ def trained(tmp_path, data_dir, steps, amp_dtype):
     return trainer
 
 
+@pytest.mark.timeout(300)  # three float16 or float32 runs of the small model on one model directory
 @pytest.mark.parametrize("first, second", [(None, "float16"), ("float16", None)])
 def test_resume_with_amp_switched(tmp_path, shapes_records, capsys, first, second):
     """A model_dir trained with and then without float16 loss scaling, or the other way round, resumes:

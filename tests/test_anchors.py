@@ -1,10 +1,13 @@
-"""Anchors and RPN targets against slow NumPy references (a loop generator and a loop labeler)."""
+"""Anchors and RPN targets against slow NumPy references (a loop generator and a loop labeler); the fused RPN
+targets op (mrcnn_tf2.ops.fused) against this pure-TF twin, seed for seed, and the labeler.
+"""
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops
+from mrcnn_tf2.ops import fused
 
 IMAGE_SIZE = (96, 128)
 MIN_LEVEL, MAX_LEVEL = 2, 5
@@ -215,3 +218,55 @@ def test_bad_inputs_raise(anchors):
         anchor_ops.rpn_targets(anchors, np.zeros((3, 5), np.float32), IMAGE_SIZE)
     with pytest.raises(ValueError, match="grid"):
         anchor_ops.rpn_targets(anchors, np.zeros((3, 4), np.float32), (64, 64))
+
+
+# -- the fused op against its twin -------------------------------------------------------------------------
+
+def assert_same_rpn_targets(got, want):
+    for key in ("rpn_score_targets", "rpn_box_targets"):
+        assert got[key].keys() == want[key].keys()
+        for level in got[key]:
+            assert got[key][level].shape == want[key][level].shape and got[key][level].dtype == want[key][level].dtype
+            np.testing.assert_array_equal(got[key][level].numpy(), want[key][level].numpy())
+
+
+def both_rpn_targets(anchors, gt, **kwargs):
+    return [fn(anchors, gt, IMAGE_SIZE, **kwargs) for fn in (fused.rpn_targets, anchor_ops.rpn_targets)]
+
+
+@pytest.mark.parametrize("gt_kind", ["varied", "many", "padding only", "none", "outside and degenerate"])
+def test_rpn_targets_equal_twin_for_the_same_seed(anchors, rng, gt_kind):
+    all_anchors = flatten(anchors, 4)
+    gt = {
+        "varied": make_gt(VARIED_GT),
+        # More positives than the cap: the random choice among them must match too.
+        "many": (all_anchors[rng.choice(len(all_anchors), 200, replace=False)]
+                 + rng.uniform(-0.2, 0.2, (200, 4))).astype(np.float32),
+        "padding only": np.full((4, 4), -1.0, np.float32),
+        "none": np.zeros((0, 4), np.float32),
+        "outside and degenerate": make_gt([[-50.0, -50.0, -10.0, -10.0], [200.0, 10.0, 260.0, 60.0],
+                                           [20.0, 20.0, 20.0, 40.0], [30.0, 40.0, 10.0, 20.0],
+                                           [10.0, 10.0, 60.0, 70.0]]),
+    }[gt_kind]
+    for seed in ([3, 4], [5, 6]):
+        got, want = both_rpn_targets(anchors, gt, seed=tf.constant(seed))
+        assert_same_rpn_targets(got, want)
+    labels = flatten(got["rpn_score_targets"], 1)[:, 0]
+    expected, _ = np_label_anchors(all_anchors, gt, 0.7, 0.3)
+    assert np.all(expected[labels == 1] == 1) and np.all(expected[labels == 0] == 0)
+    assert np.sum(labels >= 0) == 256
+
+
+def test_rpn_targets_other_settings_and_in_tf_data(anchors):
+    gt = make_gt(VARIED_GT)
+    kwargs = dict(positive_overlap=0.5, negative_overlap=0.4, batch_size_per_im=64, fg_fraction=0.25,
+                  seed=tf.constant([1, 2]))
+    assert_same_rpn_targets(*both_rpn_targets(anchors, gt, **kwargs))
+    seeds = tf.constant([[7, 0], [7, 1]], tf.int64)
+    boxes = np.stack([make_gt(VARIED_GT), make_gt(VARIED_GT[:1], num_padded=7)])
+    datasets = [tf.data.Dataset.from_tensor_slices((boxes, seeds)).map(
+        lambda b, s, fn=fn: fn(anchors, b, IMAGE_SIZE, seed=s), num_parallel_calls=2)
+        for fn in (fused.rpn_targets, anchor_ops.rpn_targets)]
+    assert datasets[0].element_spec == datasets[1].element_spec
+    for got, want in zip(*datasets):
+        assert_same_rpn_targets(got, want)

@@ -12,8 +12,8 @@ import pytest
 import main
 from mrcnn_tf2 import arguments, cli, presets
 from mrcnn_tf2.config import Config, ConfigError, field_paths
+from tests.support import ROOT, run_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The defaults the foundation issue fixes (NVIDIA TF2 config.py, max_num_instances from TAO).
 SPEC_DEFAULTS = {
@@ -133,7 +133,7 @@ def test_flag_defaults_and_no_flag_gives_the_default_config():
 
 @pytest.mark.parametrize("flags, freeze_bn, freeze_blocks", [
     ([], False, ()),  # from scratch: batch norm trains, nothing frozen
-    (["--backbone_checkpoint", "/w"], True, (0, 1)),  # pretrained: the seeds' frozen defaults
+    (["--backbone_checkpoint", "/w"], True, (0, 1)),  # pretrained: NVIDIA's frozen defaults
     (["--backbone_checkpoint", "/w", "--finetune_bn"], False, (0, 1)),  # explicit flags and overrides win
     (["--config_override", "model.freeze_bn=true", "--config_override", "model.freeze_blocks=[0]"], True, (0,)),
 ])
@@ -153,7 +153,8 @@ def test_flags_reach_the_config():
         "train --data_dir /d --model_dir /m --backbone_checkpoint /w --eval_file /e.json --epochs 3 "
         "--steps_per_epoch 7 --eval_samples 9 --train_batch_size 2 --eval_batch_size 3 --seed 5 "
         "--l2_weight_decay 0.5 --init_learning_rate 0.001 --learning_rate_values 0.1 0.01 "
-        "--learning_rate_boundaries 1 2 --momentum 0.8 --clip_grad_norm 5 --finetune_bn --use_synthetic_data --xla --amp "
+        "--learning_rate_boundaries 1 2 --momentum 0.8 --clip_grad_norm 5 --finetune_bn --use_synthetic_data "
+        "--xla --amp "
         "--log_file /l.jsonl --log_every 4 --log_warmup_steps 6 --log_graph --log_tensorboard /tb -v "
         "--eagerly --backbone resnet18 --image_size 256 320 --num_classes 5 --accumulate_steps 2 "
         "--benchmark --benchmark_steps 11 --min_bbox_map 0.3 --min_mask_map 0.2 --custom_ops off "
@@ -245,13 +246,9 @@ def test_override_applies_after_flags_and_repeats():
     assert config.model.roi.fg_fraction == 0.5
 
 
-def run_main(argv, capsys):
-    """main.main's exit status and its stderr lines (argparse exits through SystemExit)."""
-    try:
-        status = main.main(argv)
-    except SystemExit as exit_:
-        status = exit_.code
-    return status, capsys.readouterr().err.strip().splitlines()
+def main_status(argv, capsys):
+    """main.py's exit status for `argv`, run in this process, and its stderr lines."""
+    return run_main(argv), capsys.readouterr().err.strip().splitlines()
 
 
 @pytest.mark.parametrize(
@@ -278,7 +275,7 @@ def run_main(argv, capsys):
     ],
 )
 def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys):
-    status, lines = run_main(["train", *argv], capsys)
+    status, lines = main_status(["train", *argv], capsys)
     assert status == 2
     assert len(lines) == 1, lines
     for name in names:
@@ -286,7 +283,7 @@ def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys
 
 
 def test_explicit_pattern_that_matches_nothing_names_the_override(tmp_path, capsys):
-    status, lines = run_main(
+    status, lines = main_status(
         ["eval", "--config_override", f"data.validation_file_pattern={tmp_path}/none-*.tfrecord"], capsys
     )
     assert status == 2 and "--config_override" in lines[0] and "none-*.tfrecord" in lines[0]
@@ -295,7 +292,7 @@ def test_explicit_pattern_that_matches_nothing_names_the_override(tmp_path, caps
 def test_training_that_evaluates_needs_the_validation_records(tmp_path, capsys):
     (tmp_path / "train-00000-of-00001.tfrecord").write_bytes(b"")
     (tmp_path / "val.json").write_text("{}")
-    status, lines = run_main(["train", "--data_dir", str(tmp_path), "--eval_file", str(tmp_path / "val.json")],
+    status, lines = main_status(["train", "--data_dir", str(tmp_path), "--eval_file", str(tmp_path / "val.json")],
                              capsys)
     assert status == 2 and "--data_dir" in lines[0] and "val*.tfrecord" in lines[0]
 
@@ -423,7 +420,7 @@ def test_a_command_that_changes_a_saved_models_shape_is_an_error_naming_both_val
         tmp_path, capsys, saved_flags, flags, names):
     saved_run(tmp_path, *saved_flags)
     for mode in ("train", "eval", "infer", "export"):
-        status, lines = run_main([mode, "--model_dir", str(tmp_path), *flags], capsys)
+        status, lines = main_status([mode, "--model_dir", str(tmp_path), *flags], capsys)
         assert status == 2 and len(lines) == 1, lines
         for name in [*names, f"{tmp_path}/config.json"]:
             assert name in lines[0], (name, lines[0])
@@ -465,7 +462,8 @@ def test_repeating_a_saved_value_is_no_contradiction(tmp_path):
 
 
 def test_print_config_names_the_source_of_every_non_default_value(tmp_path, capsys):
-    saved_run(tmp_path, "--preset", "demo", "--l2_weight_decay", "5e-5", "--config_override", "model.rpn.rpn_min_size=1")
+    saved_run(tmp_path, "--preset", "demo", "--l2_weight_decay", "5e-5", "--config_override",
+              "model.rpn.rpn_min_size=1")
     status = main.main(["train", "--print_config", "--model_dir", str(tmp_path), "--preset", "demo", "--seed", "7",
                         "--config_override", "train.momentum=0.8"])
     printed = json.loads(capsys.readouterr().out)
@@ -495,7 +493,7 @@ def get_in(tree, path):
 ])
 def test_a_malformed_saved_config_is_an_error_naming_the_file_and_key(tmp_path, capsys, text, names):
     (tmp_path / "config.json").write_text(text)
-    status, lines = run_main(["eval", "--model_dir", str(tmp_path)], capsys)
+    status, lines = main_status(["eval", "--model_dir", str(tmp_path)], capsys)
     assert status == 2 and len(lines) == 1, lines
     for name in ["--model_dir", f"{tmp_path}/config.json", *names]:
         assert name in lines[0], (name, lines[0])
@@ -539,3 +537,43 @@ def test_start_up_is_quiet_unless_the_user_sets_tensorflows_log_level(tmp_path):
                               capture_output=True, text=True)
         assert loud.returncode == 2 and "cuda" in loud.stderr.lower(), loud.stderr  # TensorFlow's own lines
         assert ("oneDNN custom operations are on" in loud.stderr) is banner, loud.stderr
+
+
+def test_onednns_dtype_notice_is_held_back_at_start_up():
+    # oneDNN logs, as an error, once per process and at the first op in a dtype it has no kernels of on this
+    # CPU (float16 without AVX512-FP16), that TensorFlow's own kernels run instead: under --amp_dtype float16
+    # that was mid-run. A process started as main.py starts TensorFlow says nothing.
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    code = ("from mrcnn_tf2.cli import import_tensorflow\ntf = import_tensorflow()\n"
+            "x, kernel = tf.ones([1, 8, 8, 3], tf.float16), tf.ones([3, 3, 3, 4], tf.float16)\n"
+            "print(tf.nn.conv2d(x, kernel, 1, 'SAME').dtype)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "<dtype: 'float16'>", result.stderr
+    assert result.stderr == ""
+
+
+def test_a_python_without_tensorflow_gets_one_line_naming_the_fix(tmp_path):
+    # As `python main.py ...` outside .venv, and a converter, which starts TensorFlow as main.py does.
+    code = ("import sys\nsys.modules['tensorflow'] = None  # what `import tensorflow` meets there\n"
+            "import main\nfrom weights import convert_keras_resnet\n"
+            "for run, argv in ((main.main, ['export', '--model_dir', sys.argv[1]]),\n"
+            "                  (convert_keras_resnet.main, ['--h5', 'w.h5', '--output', sys.argv[1] + '/w'])):\n"
+            "    try:\n        run(argv)\n    except SystemExit as exit:\n        print(exit.code)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert result.stdout.split() == ["2", "2"], result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
+    for part in (f"TensorFlow is not installed for {sys.executable}", "make setup", "source .venv/bin/activate"):
+        assert part in lines[0]
+
+
+@pytest.mark.parametrize("policy, amp, loss_scaled, line", [
+    ("float32", False, False, "precision float32"),
+    ("float32", True, False, "precision float32 (--amp fell back: this CPU has no bfloat16 instructions)"),
+    ("mixed_float16", True, True, "precision mixed_float16: float16 compute, float32 variables; dynamic loss scaling"),
+    ("mixed_bfloat16", True, False, "precision mixed_bfloat16: bfloat16 compute, float32 variables"),
+])
+def test_the_start_up_line_names_the_precision_policy(policy, amp, loss_scaled, line):
+    from mrcnn_tf2.runtime.precision import describe_precision  # imports Keras: here, not at the top
+
+    assert describe_precision(policy, amp, loss_scaled) == line

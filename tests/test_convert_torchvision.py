@@ -4,8 +4,6 @@ torch and torchvision are test-only dependencies: the tests build torchvision mo
 with torch.save and compare the layers' outputs with ours; the converter itself reads the files without torch.
 """
 import collections
-import contextlib
-import io
 import json
 import os
 import pickletools
@@ -13,7 +11,6 @@ import struct
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,9 +25,12 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 from mrcnn_tf2 import arguments, presets, status
 from mrcnn_tf2.config import load_saved_config
 from mrcnn_tf2.runtime.predictor import load_model
+from tests.support import ROOT, maskrcnn_resnet50_fpn, randomize, run_converter
 from weights import convert_torchvision as conv
 
-ROOT = Path(__file__).resolve().parents[1]
+# The module's torchvision models and their conversions are module fixtures: its tests run on one pytest-xdist
+# worker, which makes them once.
+pytestmark = pytest.mark.xdist_group("convert_torchvision")
 # Inputs of the equivalence test: a multiple of 64, and a multiple of 32 that is not one of 64 (odd C5, P6
 # subsampled from it).
 IMAGE_SIZES = ((256, 320), (224, 288))
@@ -38,29 +38,6 @@ NUM_ROIS = 12
 # Tolerance of a compared output, relative to its largest magnitude (float32 through 50 layers).
 RELATIVE_TOLERANCE = 1e-4
 FROZEN_CLASSES = 7  # the FrozenBatchNorm2d model's classes: the converter reads them from the state dict
-
-
-def randomize(model, seed):
-    """Random batch-norm statistics and affine parameters (so that folding matters: variances down to 1e-6,
-    where eps 0 and 1e-5 differ) and random biases (torchvision initialises many to zero), in place."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def uniform(shape, low, high):
-        return low + (high - low) * torch.rand(shape, generator=generator)
-
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.BatchNorm2d, FrozenBatchNorm2d)):
-                channels = module.running_var.shape
-                module.running_var.copy_(10.0 ** uniform(channels, -6.0, 0.0))
-                # Scales gamma / sqrt(var) of order 1, as trained networks have.
-                module.weight.copy_(uniform(channels, 0.5, 1.5) * module.running_var.sqrt())
-                module.running_mean.copy_(0.3 * torch.randn(channels, generator=generator))
-                module.bias.copy_(0.2 * torch.randn(channels, generator=generator))
-            elif isinstance(module, (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.Linear)) \
-                    and module.bias is not None:
-                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
-    return model.eval()
 
 
 def frozen_mask_rcnn(num_classes, seed):
@@ -71,14 +48,6 @@ def frozen_mask_rcnn(num_classes, seed):
     model = randomize(MaskRCNN(backbone, num_classes=num_classes), seed)
     overwrite_eps(model, 0.0)
     return model
-
-
-def run_converter(*argv):
-    """(exit status, stdout, stderr) of the converter's main() run in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = conv.main([str(arg) for arg in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def checkpoint_values(model_dir):
@@ -111,14 +80,13 @@ def to_nhwc(tensor):
 
 
 @pytest.fixture(scope="module")
-def torch_models():
-    """{'batch_norm': maskrcnn_resnet50_fpn(weights=None) as torchvision builds it (nn.BatchNorm2d, eps 1e-5,
-    91 classes), 'frozen': the FrozenBatchNorm2d build at eps 0 with FROZEN_CLASSES classes}, randomised."""
-    torch.manual_seed(0)
-    batch_norm = torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None,
-                                                                    num_classes=91)
+def torch_models(torchvision_v1):
+    """{'batch_norm': the suite's maskrcnn_resnet50_fpn (conftest's torchvision_v1: nn.BatchNorm2d, eps 1e-5, 91
+    classes, randomised), 'frozen': the FrozenBatchNorm2d build at eps 0 with FROZEN_CLASSES classes}."""
+    batch_norm = maskrcnn_resnet50_fpn()
+    batch_norm.load_state_dict(torch.load(torchvision_v1["state_dict"], weights_only=True))
     assert isinstance(batch_norm.backbone.body.bn1, torch.nn.BatchNorm2d)
-    return {"batch_norm": randomize(batch_norm, 0), "frozen": frozen_mask_rcnn(FROZEN_CLASSES, 1)}
+    return {"batch_norm": batch_norm.eval(), "frozen": frozen_mask_rcnn(FROZEN_CLASSES, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -127,25 +95,20 @@ def files_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def state_dict_files(torch_models, files_dir):
+def state_dict_files(torch_models, torchvision_v1, files_dir):
     """{kind: path of torch.save(model.state_dict())}."""
-    paths = {}
-    for kind, model in torch_models.items():
-        paths[kind] = files_dir / f"{kind}.pth"
-        torch.save(model.state_dict(), paths[kind])
+    paths = {"batch_norm": torchvision_v1["state_dict"], "frozen": files_dir / "frozen.pth"}
+    torch.save(torch_models["frozen"].state_dict(), paths["frozen"])
     return paths
 
 
 @pytest.fixture(scope="module")
-def converted(state_dict_files, files_dir):
+def converted(state_dict_files, torchvision_v1, files_dir):
     """{kind: (model_dir, stdout)} of the converter run with its default eps on each state dict."""
-    results = {}
-    for kind, path in state_dict_files.items():
-        model_dir = files_dir / f"{kind}_model"
-        code, out, err = run_converter("--input", path, "--output_dir", model_dir)
-        assert code == status.OK, err
-        results[kind] = (model_dir, out)
-    return results
+    model_dir = files_dir / "frozen_model"
+    code, out, err = run_converter("--input", state_dict_files["frozen"], "--output_dir", model_dir)
+    assert code == status.OK, err
+    return {"batch_norm": (torchvision_v1["model_dir"], torchvision_v1["converter_output"]), "frozen": (model_dir, out)}
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +142,7 @@ def our_models(converted):
 # -- equivalence of the learned layers -------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(300)  # the first of them builds and converts two torchvision ResNet-50 Mask R-CNNs
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch_norm", "frozen"])
 @pytest.mark.parametrize("image_size", IMAGE_SIZES)

@@ -29,8 +29,7 @@ from mrcnn_tf2.ops import conv as conv_ops
 from mrcnn_tf2.ops import fused, masks
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.predictor import load_model, predict_function
-from tests.test_model import small_config, synthetic_batch
-from tests.test_train import SMALL_FLAGS, read_log
+from tests.support import SMALL_FLAGS, read_log, small_config, synthetic_batch
 
 PREDICT_KEYS = ("images", "image_info", "source_ids")
 

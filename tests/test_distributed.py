@@ -17,9 +17,7 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.runtime import distributed
-from mrcnn_tf2.runtime.train import Trainer
-from tests.distributed_sync import combined_batch, sync_config
-from tests.test_train import ROOT, SMALL_FLAGS, main_py, read_log
+from tests.support import ROOT, SMALL_FLAGS, combined_batch, main_py, read_log, sync_config, trainer_for
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 # A job whose rank died must be over within this many seconds of the death.
@@ -60,11 +58,11 @@ def test_a_launcher_without_horovod_is_a_clear_error(monkeypatch):
         distributed.init_world()
 
 
+@pytest.mark.timeout(300)  # a horovodrun job of two ranks, then the same steps in this process
 @pytest.mark.slow
 def test_two_ranks_stay_identical_and_equal_one_process_on_the_combined_batch(tmp_path):
     steps = 3
-    result = subprocess.run(horovodrun(sys.executable, os.path.join(ROOT, "tests", "distributed_sync.py"),
-                                       str(tmp_path), str(steps)),
+    result = subprocess.run(horovodrun(sys.executable, "-m", "tests.distributed_sync", str(tmp_path), str(steps)),
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
@@ -75,7 +73,7 @@ def test_two_ranks_stay_identical_and_equal_one_process_on_the_combined_batch(tm
         np.testing.assert_array_equal(ranks[1][f"initial_{i}"], ranks[0][f"initial_{i}"])
         np.testing.assert_array_equal(ranks[1][f"final_{i}"], ranks[0][f"final_{i}"])
     # One process with both images per step, from the same start, makes the same updates.
-    trainer = Trainer(sync_config(2, seed=1, model_dir=str(tmp_path / "single")))
+    trainer = trainer_for(sync_config(2, seed=1, model_dir=str(tmp_path / "single")))
     batch = combined_batch()
     trainer.build(batch)
     for i, variable in enumerate(trainer.model.trainable_variables):
@@ -97,8 +95,8 @@ def test_two_ranks_stay_identical_and_equal_one_process_on_the_combined_batch(tm
 def test_two_ranks_share_the_records_of_a_single_file_disjointly_and_completely(tmp_path, shapes_records):
     (path,) = tf.io.gfile.glob(shapes_records["val"])  # one file of 5 records: 3 for rank 0, 2 for rank 1
     draws = 20  # several passes over each share, in its shuffled order
-    result = subprocess.run(horovodrun(sys.executable, os.path.join(ROOT, "tests", "distributed_records.py"), path,
-                                       str(draws), str(tmp_path)),
+    result = subprocess.run(horovodrun(sys.executable, "-m", "tests.distributed_records", path, str(draws),
+                                       str(tmp_path)),
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("keeps 1 record in 2") == 1, result.stdout[-3000:]  # rank 0's notice
@@ -129,6 +127,7 @@ def rank_process(launcher, rank):
     return None
 
 
+@pytest.mark.timeout(600)  # two horovodrun jobs of two ranks, with the test's own deadlines of 400 + 120 s
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, shapes_records):
     job = train_under_horovodrun(tmp_path, shapes_records["data_dir"])
@@ -167,6 +166,7 @@ def test_a_dead_rank_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, shapes
     assert output.count("[train] step 6/6") == 1  # one progress line per step: rank 1 is silent
 
 
+@pytest.mark.timeout(300)  # a horovodrun job of two ranks that trains and evaluates
 @pytest.mark.slow
 def test_an_early_stop_under_horovodrun_ends_every_rank_with_status_0(tmp_path, shapes_records):
     # Targets any model meets: rank 0's first evaluation (end of epoch 1, step 3) stops the job.
@@ -185,6 +185,7 @@ def test_an_early_stop_under_horovodrun_ends_every_rank_with_status_0(tmp_path, 
     assert [r["step"] for r in log if r["event"] == "metrics"] == [1, 2, 3]
 
 
+@pytest.mark.timeout(300)  # a horovodrun job of two ranks
 @pytest.mark.slow
 def test_benchmark_under_horovodrun_reports_total_and_per_worker_throughput(tmp_path, shapes_records):
     result = subprocess.run(

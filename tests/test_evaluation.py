@@ -6,15 +6,16 @@ import io
 import json
 import math
 import os
-import subprocess
+import shutil
 
 import numpy as np
 import pytest
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
+import main
 from mrcnn_tf2.evaluation import coco_metrics
-from tests.test_train import EVAL_FLAGS, ROOT, main_py
+from tests.support import SMALL_FLAGS, TRAINED_STEPS
 
 # Non-contiguous COCO category ids: class id == category id, classes 2, 4-6 and 0 are not categories.
 CATEGORY_IDS = (1, 3, 7)
@@ -268,42 +269,38 @@ def test_bad_arguments_raise_value_errors(coco_gt):
         coco_metrics.format_table({})
 
 
-def run_main(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run(main_py(*args), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-
-
 @pytest.mark.slow
-def test_main_eval_end_to_end(tmp_path, shapes_records):
-    data = ["--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path)]
-    trained = run_main("train", *data, *EVAL_FLAGS, "--steps_per_epoch", "2", "--epochs", "1")
-    assert trained.returncode == 0, trained.stderr[-3000:]
+def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model, model_dir)
     # 3 of the 5 validation images in batches of 2: the second batch is cut to one image.
-    result = run_main("eval", *data, *EVAL_FLAGS, "--eval_file", shapes_records["val_json"], "--eval_samples", "3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "AP50" in result.stdout and "3 images" in result.stdout
-    with open(tmp_path / "eval_results.json") as f:
+    assert main.main(["eval", "--model_dir", str(model_dir), "--data_dir", shapes_records["data_dir"],
+                      "--eval_file", shapes_records["val_json"], "--eval_samples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "AP50" in out and "3 images" in out
+    with open(model_dir / "eval_results.json") as f:
         record = json.load(f)
     metrics = record["metrics"]
     assert set(metrics) == {f"{t}/{name}" for t in ("bbox", "segm") for name in coco_metrics.STAT_NAMES}
     assert all(math.isfinite(v) and -1.0 <= v <= 1.0 for v in metrics.values())
-    assert record["num_images"] == 3 and record["step"] == 2 and record["checkpoint"].endswith("ckpt-2")
+    assert record["num_images"] == 3 and record["step"] == TRAINED_STEPS
+    assert record["checkpoint"].endswith(f"ckpt-{TRAINED_STEPS}")
     assert set(record["time_s"]) >= {"model", "pasting", "cocoeval"}
-    breakdown = next(line for line in result.stdout.splitlines() if line.startswith("[eval] 3 images"))
+    breakdown = next(line for line in out.splitlines() if line.startswith("[eval] 3 images"))
     assert all(f"{name} " in breakdown for name in ("model", "pasting", "cocoeval"))
-    with open(tmp_path / "detections.json") as f:
+    with open(model_dir / "detections.json") as f:
         detections = json.load(f)
     val_ids = sorted(image["id"] for image in shapes_records["annotations"]["val"]["images"])
     assert len(detections) == record["num_detections"] <= 3 * 10
     assert {d["image_id"] for d in detections} <= set(val_ids[:3])  # files are read in order
     assert all(isinstance(d["segmentation"]["counts"], str) for d in detections)
-    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
+    assert not [name for name in os.listdir(model_dir) if ".tmp" in name]
 
 
-def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_records):
+def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_records, capsys):
     data = ["--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path / "empty_run")]
-    result = run_main("eval", *data, *EVAL_FLAGS, "--eval_file", shapes_records["val_json"])
-    assert result.returncode == 2
-    assert "no checkpoint" in result.stderr and str(tmp_path / "empty_run") in result.stderr
-    result = run_main("eval", *data, *EVAL_FLAGS)
-    assert result.returncode == 2 and "--eval_file is required" in result.stderr
+    assert main.main(["eval", *data, *SMALL_FLAGS, "--eval_file", shapes_records["val_json"]]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint" in err and str(tmp_path / "empty_run") in err
+    assert main.main(["eval", *data, *SMALL_FLAGS]) == 2
+    assert "--eval_file is required" in capsys.readouterr().err

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from mrcnn_tf2.devices import FAKE_GPU_ENV
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Dockerfile instructions (Docker's reference).
 INSTRUCTIONS = {"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
                 "MAINTAINER", "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"}
@@ -83,6 +83,7 @@ def test_gpu_requirements_pin_tensorflow_of_requirements_txt_with_its_cuda_extra
     assert "-r requirements.txt" in lines and f"tensorflow[and-cuda]=={cpu['tensorflow']}" in lines
 
 
+@pytest.mark.timeout(300)  # pip resolves the CUDA wheels' metadata from the registry
 @pytest.mark.slow
 def test_gpu_requirements_resolve_against_the_registry_without_installing(tmp_path):
     """pip resolves requirements-gpu.txt (TensorFlow's and-cuda ranges accept each CUDA pin) and reports what it
@@ -131,6 +132,7 @@ def test_horovod_build_without_a_cuda_toolkit_says_why_and_keeps_the_cpu_build(t
     assert "building horovod" not in result.stdout, "the CPU build's stamp should have been current"
 
 
+@pytest.mark.timeout(600)  # ten processes, float16 and XLA on the CPU
 @pytest.mark.slow
 def test_gpu_smoke_script_runs_every_stage_with_a_faked_gpu(tmp_path):
     """The smoke script end to end on the CPU, the GPU's choices faked, at a tiny size: float16 with loss

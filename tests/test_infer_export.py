@@ -25,19 +25,19 @@ from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.runtime import export, infer
 from mrcnn_tf2.runtime.predictor import load_model, predict_function
-from tests.test_train import EVAL_FLAGS
+from tests.support import SMALL_FLAGS
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
 EXIF_ORIENTATION, ROTATE_90_CW = 0x0112, 6
 
 
 def config_for(mode, *flags):
-    return parse([mode, *EVAL_FLAGS, *flags])[1]
+    return parse([mode, *SMALL_FLAGS, *flags])[1]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A model_dir holding a checkpoint (step 0) of a freshly initialised model of EVAL_FLAGS."""
+    """A model_dir holding a checkpoint (step 0) of a freshly initialised model of SMALL_FLAGS."""
     directory = str(tmp_path_factory.mktemp("initial_model"))
     loaded = load_model(config_for("infer", "--model_dir", directory), require_checkpoint=False)
     checkpoint = tf.train.Checkpoint(model=loaded.model, step=tf.Variable(0, dtype=tf.int64))
@@ -211,7 +211,7 @@ def photo_folder(tmp_path, photo):
 def test_infer_on_photos_skips_a_corrupt_file_and_writes_predictions_and_pictures(
         tmp_path, model_dir, photo_folder, photo, capsys):
     output_dir = tmp_path / "out"
-    status = main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--input", str(photo_folder),
+    status = main.main(["infer", *SMALL_FLAGS, "--model_dir", model_dir, "--input", str(photo_folder),
                         "--output_dir", str(output_dir), "--visualize", "--visualize_score_threshold", "0"])
     captured = capsys.readouterr()
     assert status == 0, captured.err
@@ -243,17 +243,17 @@ def test_infer_on_photos_skips_a_corrupt_file_and_writes_predictions_and_picture
 
 def test_infer_exits_2_when_no_image_can_be_read(tmp_path, model_dir, photo_folder, capsys):
     output_dir = tmp_path / "out"
-    status = main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--input",
+    status = main.main(["infer", *SMALL_FLAGS, "--model_dir", model_dir, "--input",
                         str(photo_folder / "corrupt.jpg"), "--output_dir", str(output_dir)])
     err = capsys.readouterr().err
     assert status == 2 and "corrupt.jpg" in err and "no image could be read" in err
     assert not (output_dir / "predictions.json").exists()
-    assert main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--input", str(tmp_path / "none")]) == 2
+    assert main.main(["infer", *SMALL_FLAGS, "--model_dir", model_dir, "--input", str(tmp_path / "none")]) == 2
     assert "--input" in capsys.readouterr().err
 
 
 def test_infer_on_validation_records_uses_their_image_ids(tmp_path, model_dir, shapes_records, capsys):
-    status = main.main(["infer", *EVAL_FLAGS, "--model_dir", model_dir, "--data_dir", shapes_records["data_dir"],
+    status = main.main(["infer", *SMALL_FLAGS, "--model_dir", model_dir, "--data_dir", shapes_records["data_dir"],
                         "--eval_file", shapes_records["val_json"], "--eval_samples", "3"])
     assert status == 0, capsys.readouterr().err
     output_dir = os.path.join(model_dir, "inference")  # the default
@@ -267,7 +267,7 @@ def test_infer_on_validation_records_uses_their_image_ids(tmp_path, model_dir, s
 
 
 def test_infer_benchmark_prints_throughput_and_latency(shapes_records, capsys):
-    status = main.main(["infer", *EVAL_FLAGS, "--benchmark", "--use_synthetic_data", "--benchmark_steps", "3",
+    status = main.main(["infer", *SMALL_FLAGS, "--benchmark", "--use_synthetic_data", "--benchmark_steps", "3",
                         "--data_dir", shapes_records["data_dir"], "--model_dir", "/nonexistent/model_dir"])
     captured = capsys.readouterr()
     assert status == 0, captured.err
@@ -330,6 +330,7 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(300)  # exports, then two fresh processes load the SavedModel
 @pytest.mark.onednn  # the exported graph holds the batch-of-one routes that oneDNN takes
 def test_saved_model_runs_in_a_fresh_process_and_equals_in_process_inference(tmp_path, exported, in_process, photo):
     np.save(tmp_path / "image.npy", photo[None])

@@ -9,13 +9,8 @@ import tensorflow as tf
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.cli import main
 from mrcnn_tf2.runtime import train as train_runtime
-from test_train import SMALL_FLAGS, read_log
+from tests.support import SCHEDULE_FLAGS, SMALL_FLAGS, TRAINED_STEPS, read_log
 
-# Two updates of 2 images per epoch; the warm-up runs from 0.005 to 0.01 (at 8 images) over the first epoch,
-# so that the learning rate of each step tells where the schedule is.
-SCHEDULE_FLAGS = ["--steps_per_epoch", "2", "--log_every", "1", "--init_learning_rate", "0.005",
-                  "--learning_rate_values", "0.01", "--learning_rate_boundaries", "1",
-                  "--config_override", "train.warmup_min_steps=0"]
 # The Keras layer names of the class-dependent variables (box head logits and deltas, mask head logits).
 CLASS_LAYERS = ("/class_logits/", "/box_deltas/", "/mask_logits/")
 
@@ -24,14 +19,6 @@ def train(data_dir, model_dir, *flags):
     """Exit status of `main.py train` on the small model, run in this process."""
     return main(["train", "--data_dir", data_dir, "--model_dir", str(model_dir), *SMALL_FLAGS, *SCHEDULE_FLAGS,
                  *flags])
-
-
-@pytest.fixture(scope="module")
-def run_a(tmp_path_factory, shapes_records):
-    """A model directory trained for one epoch of 2 steps from seed 1 (checkpoints at steps 1 and 2)."""
-    model_dir = tmp_path_factory.mktemp("run_a")
-    assert train(shapes_records["data_dir"], model_dir, "--epochs", "1", "--checkpoint_every", "1") == 0
-    return model_dir
 
 
 @pytest.fixture
@@ -76,36 +63,37 @@ def metrics(model_dir):
     return [r for r in read_log(model_dir / "log.jsonl") if r["event"] == "metrics"]
 
 
-def test_a_new_run_starts_from_the_weights_alone(tmp_path, shapes_records, run_a, first_update, capsys):
+def test_a_new_run_starts_from_the_weights_alone(tmp_path, shapes_records, trained_model, first_update, capsys):
     run_b = tmp_path / "b"
     assert train(shapes_records["data_dir"], run_b, "--epochs", "1", "--seed", "2",
-                 "--init_checkpoint", str(run_a)) == 0
+                 "--init_checkpoint", str(trained_model)) == 0
     out = capsys.readouterr().out
     # Steps 1.. at the schedule's start: each step's learning rate is A's at the same step (which differ).
-    rates = [r["learning_rate"] for r in metrics(run_a)]
+    rates = [r["learning_rate"] for r in metrics(trained_model)][:2]
     assert [r["step"] for r in metrics(run_b)] == [1, 2]
     assert [r["learning_rate"] for r in metrics(run_b)] == rates and rates[0] != rates[1]
     # Every model variable is A's before the first step; the optimizer (iterations, momentum) and step are fresh.
-    expected = restored_weights(run_a)
+    expected = restored_weights(trained_model)
     assert len(first_update["model"]) == len(expected)
     for (path, value), reference in zip(first_update["model"], expected):
         np.testing.assert_array_equal(value, reference, err_msg=path)
     assert first_update["step"] == 0
     assert first_update["optimizer"] and not any(np.any(value) for value in first_update["optimizer"].values())
     (loaded,) = [r for r in read_log(run_b / "log.jsonl") if r["event"] == "init checkpoint loaded"]
-    assert loaded["checkpoint"] == str(run_a / "ckpt-2") and loaded["step"] == 2
+    assert loaded["checkpoint"] == str(trained_model / f"ckpt-{TRAINED_STEPS}") and loaded["step"] == TRAINED_STEPS
     assert loaded["variables"] == len(expected) and loaded["reinitialised"] == [] == loaded["ignored"]
-    assert f"init checkpoint {run_a / 'ckpt-2'} (step 2): loaded {len(expected)} model variables" in out
+    assert (f"init checkpoint {trained_model / f'ckpt-{TRAINED_STEPS}'} (step {TRAINED_STEPS}): loaded {len(expected)} "
+            "model variables") in out
     assert not [r for r in read_log(run_b / "log.jsonl") if r["event"] == "resumed"]
 
 
-def test_another_num_classes_reinitialises_the_class_layers_alone(tmp_path, shapes_records, run_a, first_update,
+def test_another_num_classes_reinitialises_the_class_layers_alone(tmp_path, shapes_records, trained_model, first_update,
                                                                    capsys):
     run_b = tmp_path / "b"
     assert train(shapes_records["data_dir"], run_b, "--epochs", "1", "--steps_per_epoch", "1", "--seed", "2",
-                 "--init_checkpoint", str(run_a), "--num_classes", "8") == 0
+                 "--init_checkpoint", str(trained_model), "--num_classes", "8") == 0
     out = capsys.readouterr().out
-    expected = restored_weights(run_a)  # 6 classes
+    expected = restored_weights(trained_model)  # 6 classes
     reinitialised = []
     for (path, value), reference in zip(first_update["model"], expected):
         if is_class_variable(path):
@@ -127,10 +115,10 @@ def test_another_num_classes_reinitialises_the_class_layers_alone(tmp_path, shap
     assert {r["variable"].split("/")[0] for r in loaded["reinitialised"]} == {"box_head", "mask_head"}
 
 
-def test_a_checkpoint_with_a_mask_head_initialises_a_model_without_one(tmp_path, shapes_records, run_a, capsys):
+def test_a_checkpoint_with_a_mask_head_initialises_a_model_without_one(tmp_path, shapes_records, trained_model, capsys):
     run_b = tmp_path / "b"
     assert train(shapes_records["data_dir"], run_b, "--epochs", "1", "--steps_per_epoch", "1",
-                 "--init_checkpoint", str(run_a), "--config_override", "model.include_mask=false") == 0
+                 "--init_checkpoint", str(trained_model), "--config_override", "model.include_mask=false") == 0
     (loaded,) = [r for r in read_log(run_b / "log.jsonl") if r["event"] == "init checkpoint loaded"]
     assert loaded["ignored"] and all(name.startswith("mask_head/") for name in loaded["ignored"])
     assert "ignored its" in capsys.readouterr().out
@@ -143,12 +131,12 @@ def test_a_checkpoint_with_a_mask_head_initialises_a_model_without_one(tmp_path,
     (["--config_override", "model.fpn_num_filters=128"],
      ["fpn/fpn_lateral2/_kernel is [1, 1, 64, 256] in the checkpoint, [1, 1, 64, 128] in the model"]),
 ])
-def test_a_checkpoint_that_does_not_fit_is_an_error_naming_what(tmp_path, shapes_records, run_a, capsys, flags,
+def test_a_checkpoint_that_does_not_fit_is_an_error_naming_what(tmp_path, shapes_records, trained_model, capsys, flags,
                                                                 named):
-    status = train(shapes_records["data_dir"], tmp_path / "b", "--init_checkpoint", str(run_a), *flags)
+    status = train(shapes_records["data_dir"], tmp_path / "b", "--init_checkpoint", str(trained_model), *flags)
     err = capsys.readouterr().err
     assert status == 2
-    assert "--init_checkpoint" in err and str(run_a) in err and all(text in err for text in named), err
+    assert "--init_checkpoint" in err and str(trained_model) in err and all(text in err for text in named), err
     assert not tf.train.latest_checkpoint(str(tmp_path / "b"))
 
 
@@ -172,9 +160,9 @@ def test_init_checkpoint_counts_as_pretrained_and_excludes_backbone_checkpoint(c
     assert exit_info.value.code == 2 and "--init_checkpoint" in err and "--backbone_checkpoint" in err
 
 
-def test_a_run_with_its_own_checkpoint_resumes_from_it(tmp_path, shapes_records, run_a, capsys):
+def test_a_run_with_its_own_checkpoint_resumes_from_it(tmp_path, shapes_records, trained_model, capsys):
     run_b = tmp_path / "b"
-    flags = ["--steps_per_epoch", "1", "--init_checkpoint", str(run_a)]
+    flags = ["--steps_per_epoch", "1", "--init_checkpoint", str(trained_model)]
     assert train(shapes_records["data_dir"], run_b, "--epochs", "1", *flags) == 0
     capsys.readouterr()
     assert train(shapes_records["data_dir"], run_b, "--epochs", "2", *flags) == 0
@@ -184,4 +172,4 @@ def test_a_run_with_its_own_checkpoint_resumes_from_it(tmp_path, shapes_records,
     assert second[0]["event"] == "resumed" and second[0]["checkpoint"] == str(run_b / "ckpt-1")
     assert second[0]["step"] == 1 and [r["step"] for r in second if r["event"] == "metrics"] == [2]
     assert not [r for r in second if r["event"] == "init checkpoint loaded"]
-    assert out.count("is ignored") == 1 and f"--init_checkpoint {run_a} is ignored" in out
+    assert out.count("is ignored") == 1 and f"--init_checkpoint {trained_model} is ignored" in out

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+
 PACKAGE = "mrcnn_tf2"
 # Layer -> the layers (and outside packages) it must not import. Every module of the package must belong
 # to one of these layers, so that a new subpackage gets its rules when it is added.
@@ -201,7 +202,8 @@ def test_the_console_script_is_main_py(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [
     "dataset/make_shapes_dataset.py", "dataset/create_coco_tf_record.py", "weights/convert_keras_resnet.py",
-    "weights/convert_torchvision.py", "scripts/benchmark_conv.py", "scripts/benchmark_model.py", "scripts/benchmark_ops.py",
+    "weights/convert_torchvision.py", "scripts/benchmark_conv.py", "scripts/benchmark_model.py",
+    "scripts/benchmark_ops.py",
     "scripts/benchmark_pipeline.py", "scripts/benchmark_torchvision.py",
 ])
 def test_the_repository_tools_run_from_another_directory(script, tmp_path):

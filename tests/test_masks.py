@@ -1,11 +1,16 @@
-"""Mask targets and mask pasting against NumPy point-by-point resampling with the pixel-centre convention."""
+"""Mask targets and mask pasting against NumPy point-by-point resampling with the pixel-centre convention; the
+fused ops (mrcnn_tf2.ops.fused) of mask targets and of pasting with RLE encoding against their pure-TF twins
+and that resampling.
+"""
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from pycocotools import mask as mask_utils
 
-from mrcnn_tf2.ops import masks
+from mrcnn_tf2.evaluation import coco_metrics
+from mrcnn_tf2.ops import fused, masks
 
 
 def np_sample_box_mask(mask, box, y, x):
@@ -151,6 +156,51 @@ def test_mask_targets_bad_arguments(kwargs, match):
         masks.mask_targets(**args)
 
 
+# ---------------------------------------------------------------------------------------- fused mask_targets
+
+def random_mask_target_inputs(rng, batch, num, crop_size):
+    """Matched RoIs and GT boxes with crops, including padding, empty, inverted and outside boxes."""
+    gt = np.sort(rng.uniform(-10, 90, size=(batch, num, 2, 2)), axis=2)
+    gt_boxes = np.stack([gt[..., 0, 0], gt[..., 0, 1], gt[..., 1, 0] + 1, gt[..., 1, 1] + 1], -1).astype(np.float32)
+    rois = gt_boxes + rng.uniform(-8, 8, size=gt_boxes.shape).astype(np.float32)
+    crops = rng.uniform(0, 1, size=(batch, num, crop_size, crop_size)).astype(np.float32)
+    rois[0, 0] = -1.0  # padded RoI
+    gt_boxes[0, 1] = -1.0  # padded GT
+    crops[0, 1] = -1.0
+    gt_boxes[0, 2] = [20.0, 20.0, 20.0, 40.0]  # empty GT box
+    rois[0, 3] = [30.0, 30.0, 10.0, 10.0]  # inverted RoI
+    rois[0, 4] = [-40.0, -40.0, -20.0, -20.0]  # RoI outside the image
+    gt_boxes[0, 5] = rois[0, 5] = [-4.0, -4.0, 30.0, 30.0]  # past the corner, GT and RoI alike
+    return rois, gt_boxes, crops
+
+
+@pytest.mark.parametrize("output_size, crop_size", [(28, 14), (7, 12), (1, 5), (4, 1)])
+def test_mask_targets_bit_equal_to_twin_and_oracle(rng, output_size, crop_size):
+    rois, gt_boxes, crops = random_mask_target_inputs(rng, 2, 12, crop_size)
+    got = fused.mask_targets(rois, gt_boxes, crops, output_size).numpy()
+    want = masks.mask_targets(rois, gt_boxes, crops, output_size).numpy()
+    assert got.shape == (2, 12, output_size, output_size) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    assert 0 < got.sum() < got.size
+    for b in range(2):
+        for n in range(12):
+            if rois[b, n].max() < 0:
+                continue  # padding: all zeros, checked above through the twin
+            values = np_mask_target(rois[b, n], gt_boxes[b, n], crops[b, n], output_size)
+            decided = np.abs(values - 0.5) >= 1e-4
+            np.testing.assert_array_equal(got[b, n][decided], (values >= 0.5)[decided])
+
+
+def test_mask_targets_no_rois_bfloat16_crops_and_tf_function(rng):
+    empty = np.zeros((2, 0, 4), np.float32)
+    assert fused.mask_targets(empty, empty, np.zeros((2, 0, 6, 6), np.float32), 8).shape == (2, 0, 8, 8)
+    rois, gt_boxes, crops = random_mask_target_inputs(rng, 2, 8, 6)
+    fn = tf.function(fused.mask_targets, reduce_retracing=True)
+    got = fn(rois, gt_boxes, tf.constant(crops, tf.bfloat16), 14).numpy()
+    want = masks.mask_targets(rois, gt_boxes, tf.constant(crops, tf.bfloat16), 14).numpy()
+    np.testing.assert_array_equal(got, want)
+
+
 # ----------------------------------------------------------------------------------------------- paste_masks
 
 def np_paste(mask, box, hw):
@@ -233,3 +283,100 @@ def test_paste_100_detections_is_fast(rng):
 def test_paste_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         masks.paste_masks(*args)
+
+
+# --------------------------------------------------------------------------------- fused encode_pasted_masks
+
+def assert_same_rle(masks_in, boxes, hw, threshold):
+    """The fused encoder's RLE is the twin's, byte for byte; returns the decoded [h, w, D] uint8 masks."""
+    got = fused.encode_pasted_masks(masks_in, boxes, hw, threshold)
+    want = coco_metrics.encode_pasted_masks(masks_in, boxes, hw, threshold)
+    assert len(got) == len(want) == len(boxes)
+    for fused_rle, twin_rle in zip(got, want):
+        assert fused_rle["size"] == twin_rle["size"] == list(hw)
+        assert isinstance(fused_rle["counts"], bytes) and fused_rle["counts"] == twin_rle["counts"]
+    if not got:
+        return np.zeros(tuple(hw) + (0,), np.uint8)
+    decoded = mask_utils.decode(got)
+    np.testing.assert_array_equal(decoded, mask_utils.decode(want))
+    return decoded
+
+
+def test_encoded_masks_equal_twin_and_oracle(rng):
+    hw = (20, 24)
+    boxes = np.array([[3.3, 4.1, 15.7, 11.2], [-6.0, 15.0, 9.0, 40.0], [-3.0, -4.0, 30.0, 30.0],
+                      [0.0, 0.0, 20.0, 24.0],  # the whole image
+                      [30.0, 30.0, 40.0, 40.0],  # wholly outside
+                      [5.0, 5.0, 5.0, 9.0],  # zero height
+                      [2.0, 7.0, 12.0, 7.0],  # zero width
+                      [8.0, 2.0, 4.0, 6.0],  # inverted
+                      [5.4, 1.0, 5.6, 2.0]], np.float32)  # covers one pixel centre
+    probs = rng.uniform(size=(len(boxes), 6, 6)).astype(np.float32)
+    for threshold in (0.5, 0.3):
+        decoded = assert_same_rle(probs, boxes, hw, threshold)
+        for d in range(len(boxes)):
+            # The oracle samples in float64: only pixels this close to the threshold may come out otherwise.
+            oracle = np_paste(probs[d], boxes[d], hw)
+            decided = np.abs(oracle - threshold) > 1e-5
+            np.testing.assert_array_equal(decoded[..., d][decided], (oracle >= threshold)[decided])
+        assert_same_rle(probs[:, :1, :1], boxes, hw, threshold)  # 1x1 masks
+
+
+def test_encoded_masks_edge_cases():
+    def rle_of(mask):
+        return mask_utils.encode(np.asfortranarray(mask[..., None].astype(np.uint8)))[0]["counts"]
+
+    for hw in ((5, 6), (0, 6), (5, 0)):  # no detections
+        decoded = assert_same_rle(np.zeros((0, 4, 4), np.float32), np.zeros((0, 4), np.float32), hw, 0.5)
+        assert decoded.shape == hw + (0,)
+    hw = (5, 6)
+    whole = np.array([[0.0, 0.0, 5.0, 6.0], [-2.0, -3.0, 9.0, 8.0]], np.float32)
+    # Every pixel 1 (the RLE starts with an empty run of 0s), or 0 (a single run): the mask is constant.
+    for value, threshold, want in ((1.0, 0.5, 1), (0.5, 0.5, 1), (0.4999, 0.5, 0), (0.0, 0.3, 0)):
+        got = fused.encode_pasted_masks(np.full((2, 3, 3), value, np.float32), whole, hw, threshold)
+        assert [rle["counts"] for rle in got] == [rle_of(np.full(hw, want))] * 2
+        assert_same_rle(np.full((2, 3, 3), value, np.float32), whole, hw, threshold)
+    inside = np.array([[1.2, 2.1, 3.9, 4.4]], np.float32)
+    assert fused.encode_pasted_masks(np.zeros((1, 1, 1), np.float32), inside, hw, 0.5)[0]["counts"] == rle_of(
+        np.zeros(hw))
+    assert_same_rle(np.ones((1, 1, 1), np.float32), inside, hw, 0.5)
+    assert_same_rle(np.ones((1, 2, 2), np.float32), inside, (0, 6), 0.5)  # an image of no pixels: one run of 0
+
+
+def test_encoded_masks_agree_bit_for_bit_at_the_threshold(rng):
+    """Thresholds equal to pasted probabilities: a pixel 1 ulp lower flips (as ~10% of thresholds do
+    against BLAS matrix products, which round otherwise)."""
+    hw = (60, 80)
+    centres = rng.uniform(0, 1, size=(20, 2)) * hw
+    sides = rng.uniform(2, 50, size=(20, 2))
+    boxes = np.concatenate([centres - sides / 2, centres + sides / 2], axis=1).astype(np.float32)
+    probs = rng.uniform(size=(20, 28, 28)).astype(np.float32)
+    # The twin's probabilities, pasted as it pastes them for encoding (the transposed problem).
+    pasted = masks.paste_masks(probs.transpose(0, 2, 1), boxes[:, [1, 0, 3, 2]], hw[::-1])
+    for threshold in rng.choice(pasted[pasted > 0], size=32, replace=False).tolist():
+        decoded = assert_same_rle(probs, boxes, hw, threshold)
+        assert (decoded.transpose(2, 1, 0) == (pasted >= threshold)).all()
+
+
+def test_encoded_masks_of_many_detections(rng):
+    hw = (480, 640)
+    centres = rng.uniform(-0.1, 1.1, size=(300, 2)) * hw
+    sides = rng.uniform(0, 300, size=(300, 2))
+    boxes = np.concatenate([centres - sides / 2, centres + sides / 2], axis=1).astype(np.float32)
+    probs = rng.uniform(size=(300, 28, 28)).astype(np.float32)
+    for threshold in (0.5, 0.3):
+        assert_same_rle(probs, boxes, hw, threshold)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((np.zeros((2, 4, 5)), np.zeros((2, 4)), (8, 8), 0.5), "masks"),
+    ((np.zeros((2, 4, 4)), np.zeros((3, 4)), (8, 8), 0.5), "boxes"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8,), 0.5), "image_hw"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8, -1), 0.5), "image_hw"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8, 8), float("nan")), "threshold"),
+    ((np.zeros((2, 4, 4)), np.zeros((2, 4)), (8, 8), None), "threshold"),
+])
+@pytest.mark.parametrize("encode", [fused.encode_pasted_masks, coco_metrics.encode_pasted_masks])
+def test_encoded_masks_bad_arguments_are_the_twins(encode, args, match):
+    with pytest.raises(ValueError, match=match):
+        encode(*args)

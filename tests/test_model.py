@@ -5,86 +5,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mrcnn_tf2.config import Config
-from mrcnn_tf2.data.pipeline import PADDING_CLASS, PADDING_MASK
-from mrcnn_tf2.data.preprocess import normalize
-from mrcnn_tf2.model.factory import build_anchors, build_model
-from mrcnn_tf2.ops.anchors import rpn_targets
+from mrcnn_tf2.model.factory import build_model
+from tests.support import small_config, synthetic_batch
 
-IMAGE_SIZE = (128, 128)
-NUM_CLASSES = 4
-MAX_INSTANCES = 3
-MASK_SIZE = 14
 LOSS_KEYS = {"loss_rpn_score", "loss_rpn_box", "loss_fast_rcnn_class", "loss_fast_rcnn_box", "loss_mask",
              "loss_l2", "loss_total"}
-
-
-def small_config():
-    """A small ResNet-18 model with the seeds' frozen batch norm and first blocks (as with a pretrained
-    backbone): the component tests compare steps whose batch statistics would amplify float rounding."""
-    config = Config()
-    config.model.freeze_bn, config.model.freeze_blocks = True, (0, 1)
-    config.model.backbone = "resnet18"
-    config.model.num_classes = NUM_CLASSES
-    config.model.fast_rcnn_mlp_head_dim = 64
-    config.model.rpn.train_rpn_pre_nms_topn = 200
-    config.model.rpn.train_rpn_post_nms_topn = 100
-    config.model.rpn.test_rpn_pre_nms_topn = 200
-    config.model.rpn.test_rpn_post_nms_topn = 100
-    config.model.roi.batch_size_per_im = 32
-    config.model.test.test_detections_per_image = 10
-    config.data.image_size = IMAGE_SIZE
-    config.data.max_num_instances = MAX_INSTANCES
-    config.data.gt_mask_size = MASK_SIZE
-    return config
-
-
-def synthetic_batch(model_config, objects_per_image=(2, 1)):
-    """A fixed batch as the input pipeline makes it: coloured rectangles and discs on grey, masks in their boxes.
-
-    Image b holds objects_per_image[b] objects; the batch size is len(objects_per_image).
-    """
-    anchor_boxes = build_anchors(model_config)
-    rng = np.random.default_rng(1)
-    images, boxes, classes, masks = [], [], [], []
-    score_targets, box_targets = [], []
-    yy, xx = (np.mgrid[0:MASK_SIZE, 0:MASK_SIZE] + 0.5) / MASK_SIZE - 0.5
-    disc = (yy**2 + xx**2 <= 0.25).astype(np.float32)
-    batch_size = len(objects_per_image)
-    for b, count in enumerate(objects_per_image):
-        image = np.full(IMAGE_SIZE + (3,), 110.0, np.float32)
-        image_boxes = np.full((MAX_INSTANCES, 4), -1.0, np.float32)
-        image_classes = np.full((MAX_INSTANCES,), PADDING_CLASS, np.int32)
-        image_masks = np.full((MAX_INSTANCES, MASK_SIZE, MASK_SIZE), PADDING_MASK, np.float32)
-        for i in range(count):
-            y, x = rng.integers(4, 60, size=2)
-            h, w = rng.integers(24, 60, size=2)
-            cls = 1 + (b + i) % (NUM_CLASSES - 1)
-            image_boxes[i] = (y, x, y + h, x + w)
-            image_classes[i] = cls
-            image_masks[i] = disc if cls == 2 else 1.0
-            region = image[y:y + h, x:x + w]
-            shape = np.ones((h, w), bool) if cls != 2 else (
-                (((np.arange(h)[:, None] + 0.5) / h - 0.5) ** 2 + ((np.arange(w) + 0.5) / w - 0.5) ** 2) <= 0.25)
-            region[shape] = [(255, 0, 0), (0, 255, 0), (0, 0, 255)][cls - 1]
-        targets = rpn_targets(anchor_boxes, image_boxes, IMAGE_SIZE, seed=tf.constant([b, 5]))
-        images.append(normalize(image))
-        boxes.append(image_boxes)
-        classes.append(image_classes)
-        masks.append(image_masks)
-        score_targets.append(targets["rpn_score_targets"])
-        box_targets.append(targets["rpn_box_targets"])
-    stack = lambda dicts: {level: tf.stack([d[level] for d in dicts]) for level in dicts[0]}  # noqa: E731
-    return {
-        "images": tf.constant(np.stack(images), tf.float32),
-        "image_info": tf.constant([[*IMAGE_SIZE, 0.5, 64, 64]] * batch_size, tf.float32),
-        "source_ids": tf.range(batch_size, dtype=tf.int64),
-        "gt_boxes": tf.constant(np.stack(boxes)),
-        "gt_classes": tf.constant(np.stack(classes)),
-        "gt_masks": tf.constant(np.stack(masks)),
-        "rpn_score_targets": stack(score_targets),
-        "rpn_box_targets": stack(box_targets),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +77,7 @@ def test_inference_outputs(config, batch):
 def test_overfitting_one_batch_halves_the_loss(config, batch):
     model = compiled_model(config, learning_rate=0.005)
     step = tf.function(model.train_step)
-    totals = [float(step(batch)["loss_total"]) for _ in range(40)]
+    totals = [float(step(batch)["loss_total"]) for _ in range(50)]
     # RoI sampling is random at every step: compare the first loss with the mean of the last five.
     assert np.mean(totals[-5:]) < 0.5 * totals[0], totals
 

@@ -13,9 +13,10 @@ from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, flip_horizontally,
                                      notice_record_sharding, worker_records)
 from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
-from mrcnn_tf2.model.factory import build_anchors
+from mrcnn_tf2.model.factory import build_anchors, choose_ops
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.ops import anchors as anchor_ops
+from mrcnn_tf2.ops import fused
 
 IMAGE_SIZE = (128, 192)
 MAX_INSTANCES = 24
@@ -285,3 +286,15 @@ def test_images_without_objects_decode_and_train_as_negatives(records):
     assert (example["gt_classes"].numpy() == -1).all()
     labels = np.concatenate([t.numpy().ravel() for t in example["rpn_score_targets"].values()])
     assert (labels == 1).sum() == 0 and (labels == 0).sum() == 256
+
+
+def test_input_pipeline_with_fused_anchor_targets_equals_twin(records):
+    batches = []
+    for mode in ("on", "off"):
+        config = make_config(augment=True, seed=11)
+        config.runtime.custom_ops = mode
+        pipeline = training_pipeline(config, choose_ops(config).rpn_targets)
+        assert (pipeline.rpn_targets is fused.rpn_targets) == (mode == "on")
+        batches.append(first_batches(pipeline, records[0], 2))
+    for got, want in zip(*batches):
+        tf.nest.map_structure(np.testing.assert_array_equal, got, want)

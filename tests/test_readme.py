@@ -1,8 +1,8 @@
 """The commands in the README's and docs' fenced code blocks name flags, modes, presets and config keys that
-exist: a renamed flag fails here rather than in a user's shell."""
+exist: a renamed flag fails here rather than in a user's shell. Every tool's --help answers without
+TensorFlow."""
 
 import functools
-import pathlib
 import re
 import shlex
 import subprocess
@@ -12,9 +12,13 @@ import pytest
 
 from mrcnn_tf2 import arguments, presets
 from mrcnn_tf2.config import Config
+from tests.support import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+TOOLS = sorted(str(p.relative_to(ROOT)) for folder in ("dataset", "weights", "scripts")
+               for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+# A line of `python -X importtime`'s report (stderr) of a module of TensorFlow's.
+TENSORFLOW_IMPORT = re.compile(r"\| +tensorflow(\.|$)", re.MULTILINE)
 FENCE = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
@@ -46,11 +50,13 @@ def invocations(command):
 
 
 @functools.lru_cache(maxsize=None)
-def script_flags(script):
-    """The --flags that `script --help` lists."""
-    result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def script_help(script):
+    """(the --flags that `script --help` lists, whether it imported TensorFlow), from one process, which
+    `-X importtime` makes list on stderr every module it imports."""
+    result = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 0, f"{script} --help failed: {result.stderr[-2000:]}"
-    return set(re.findall(r"--[a-z][a-z0-9_-]*", result.stdout))
+    return set(re.findall(r"--[a-z][a-z0-9_-]*", result.stdout)), bool(TENSORFLOW_IMPORT.search(result.stderr))
 
 
 def test_documents_hold_commands():
@@ -68,8 +74,14 @@ def test_every_documented_command_names_flags_that_exist(document):
             if "--" in words:  # a script that passes what follows to main.py (scripts/profile_step.py)
                 words, main_words = words[:words.index("--")], words[words.index("--") + 1:]
                 problems += check(command, "main.py", main_words, main_flags)
-            problems += check(command, script, words, main_flags if script == "main.py" else script_flags(script))
+            problems += check(command, script, words, main_flags if script == "main.py" else script_help(script)[0])
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("script", TOOLS)
+def test_every_tools_help_answers_without_tensorflow(script):
+    flags, imports_tensorflow = script_help(script)  # the process the documented commands' check ran, if any
+    assert "--help" in flags and not imports_tensorflow
 
 
 def check(command, script, words, known):

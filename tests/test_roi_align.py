@@ -1,4 +1,5 @@
-"""Multilevel RoIAlign against a NumPy loop transcription of torchvision's roi_align, and against torchvision.
+"""Multilevel RoIAlign against a NumPy loop transcription of torchvision's roi_align, and against torchvision;
+the fused op (mrcnn_tf2.ops.fused) against this pure-TF twin, the oracle and torchvision.
 
 The torchvision helpers take NumPy arrays in this package's layout (NHWC features, [B, N, 4] boxes [ymin, xmin,
 ymax, xmax]) and convert them to torchvision's (NCHW, [K, 5] rows (batch index, x1, y1, x2, y2)).
@@ -11,7 +12,8 @@ import tensorflow as tf
 import torch
 import torchvision
 
-from mrcnn_tf2.ops import roi_align
+from mrcnn_tf2.model.stages import RoIAligner
+from mrcnn_tf2.ops import fused, roi_align
 
 
 def np_bilinear(feature, y, x):
@@ -305,3 +307,149 @@ def test_feature_sizes_unknown_at_trace_time(rng, aligned):
         got = align([features[level] for level in levels], boxes)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
     assert align.experimental_get_tracing_count() == 1
+
+
+# -- the fused op against its twin -------------------------------------------------------------------------
+
+def both_roi_align(features, boxes, output_size, sampling_ratio=2, aligned=True):
+    return (fused.multilevel_roi_align(features, boxes, output_size, sampling_ratio, aligned),
+            roi_align.multilevel_roi_align(features, boxes, output_size, sampling_ratio, aligned))
+
+
+def edge_case_boxes(rng, image_hw):
+    """[2, 10, 4]: random boxes, boxes past and wholly outside the image, empty, inverted and padded."""
+    boxes = random_boxes(rng, 2, 10, image_hw, margin=16.0)
+    boxes[0, 0] = [-50.0, -60.0, -10.0, -20.0]  # wholly outside (top left)
+    boxes[0, 1] = [image_hw[0] + 5.0, 0.0, image_hw[0] + 40.0, 30.0]  # wholly below
+    boxes[0, 2] = [10.0, 10.0, 10.0, 10.0]  # empty
+    boxes[0, 3] = [20.0, 30.0, 12.0, 5.0]  # inverted
+    boxes[1, 5:] = -1.0  # padding
+    boxes[1, 0] = [-30.0, -30.0, 200.0, 250.0]  # large: a high level
+    return boxes
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("output_size, sampling_ratio", [(3, 2), (4, 1), (2, 3)])
+def test_roi_align_matches_twin_and_oracle(rng, output_size, sampling_ratio, aligned):
+    image_hw = (64, 96)
+    features = random_pyramid(rng, 2, image_hw, (2, 3, 4), 5)
+    boxes = edge_case_boxes(rng, image_hw)
+    got, want = both_roi_align(features, boxes, output_size, sampling_ratio, aligned)
+    assert got.shape == want.shape == (2, 10, output_size, output_size, 5) and got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+    oracle = np_roi_align({k: v.astype(np.float64) for k, v in features.items()}, boxes, output_size,
+                          sampling_ratio, aligned)
+    np.testing.assert_allclose(got.numpy(), oracle, atol=1e-4)
+
+
+def test_roi_align_matches_torchvision_roi_align_per_level(rng):
+    check_per_level_against_torchvision(fused.multilevel_roi_align, rng)
+
+
+def test_roi_align_aligned_false_matches_torchvision_multiscale_roi_align(rng):
+    check_multiscale_against_torchvision(fused.multilevel_roi_align, rng)
+
+
+def test_roi_align_no_boxes_all_padding_and_an_empty_level(rng):
+    features = random_pyramid(rng, 2, (64, 64), (2, 3, 4, 5), 3)
+    got, want = both_roi_align(features, np.zeros((2, 0, 4), np.float32), 7)
+    assert got.shape == (2, 0, 7, 7, 3)
+    padded = np.full((2, 4, 4), -1.0, np.float32)
+    got, want = both_roi_align(features, padded, 7)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+    # Small boxes only: levels 3..5 receive no box.
+    small = random_boxes(rng, 2, 6, (64, 64), margin=0.0) / 4.0
+    assert roi_align.assign_levels(small, 2, 5).numpy().max() == 2
+    got, want = both_roi_align(features, small, 7)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_roi_align_gradient_matches_twin(rng, aligned):
+    image_hw = (64, 96)
+    features = {k: tf.constant(v) for k, v in random_pyramid(rng, 2, image_hw, (2, 3, 4), 6).items()}
+    boxes = edge_case_boxes(rng, image_hw)
+    upstream = tf.constant(rng.normal(size=(2, 10, 3, 3, 6)).astype(np.float32))
+    grads = []
+    for fn in (fused.multilevel_roi_align, roi_align.multilevel_roi_align):
+        with tf.GradientTape() as tape:
+            tape.watch(features)
+            loss = tf.reduce_sum(fn(features, boxes, 3, 2, aligned) * upstream)
+        grads.append(tape.gradient(loss, features))
+    for level in features:
+        got = tf.convert_to_tensor(grads[0][level]).numpy()
+        want = tf.convert_to_tensor(grads[1][level]).numpy()
+        assert got.shape == features[level].shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_roi_align_bfloat16_and_inside_tf_function(rng):
+    features = {k: tf.cast(v, tf.bfloat16) for k, v in random_pyramid(rng, 1, (64, 64), (2, 3), 4).items()}
+    boxes = tf.constant(random_boxes(rng, 1, 5, (64, 64)))
+
+    @tf.function
+    def value_and_grad(fn):
+        with tf.GradientTape() as tape:
+            tape.watch(features)
+            out = fn(features, boxes, 3)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+        return out, tape.gradient(loss, features)
+
+    (got, got_grad), (want, want_grad) = [value_and_grad(fn) for fn in (fused.multilevel_roi_align,
+                                                                         roi_align.multilevel_roi_align)]
+    assert got.dtype == tf.bfloat16 and got_grad[2].dtype == tf.bfloat16
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), tf.cast(want, tf.float32).numpy(), atol=2e-2,
+                               rtol=1e-2)
+    for level in features:
+        np.testing.assert_allclose(tf.cast(got_grad[level], tf.float32).numpy(),
+                                   tf.cast(tf.convert_to_tensor(want_grad[level]), tf.float32).numpy(),
+                                   atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_roi_align_feature_sizes_unknown_at_trace_time(rng, aligned):
+    """One trace with None batch, height and width serves pyramids of two image sizes, forward and gradient."""
+    levels = (2, 3, 4, 5)
+    # A list, not the {level: tensor} dict: tf.function cannot bind a dict with int keys to a signature.
+    signature = [[tf.TensorSpec([None, None, None, 3], tf.float32)] * len(levels),
+                 tf.TensorSpec([None, None, 4], tf.float32), tf.TensorSpec([None, None, 7, 7, 3], tf.float32)]
+
+    def value_and_grad(fn):
+        @tf.function(input_signature=signature)
+        def run(features, boxes, upstream):
+            with tf.GradientTape() as tape:
+                tape.watch(features)
+                out = fn(dict(zip(levels, features)), boxes, 7, 2, aligned)
+                loss = tf.reduce_sum(out * upstream)
+            return out, tape.gradient(loss, features)
+        return run
+
+    got_fn, want_fn = value_and_grad(fused.multilevel_roi_align), value_and_grad(roi_align.multilevel_roi_align)
+    for batch, image_hw in [(2, (64, 96)), (1, (128, 32))]:
+        features = [tf.constant(v) for v in random_pyramid(rng, batch, image_hw, levels, 3).values()]
+        boxes = torchvision_boxes(rng, batch, 6, image_hw)
+        upstream = rng.normal(size=(batch, 6, 7, 7, 3)).astype(np.float32)
+        (got, got_grads), (want, want_grads) = got_fn(features, boxes, upstream), want_fn(features, boxes, upstream)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+        for feature, got_grad, want_grad in zip(features, got_grads, want_grads):
+            assert got_grad.shape == feature.shape
+            np.testing.assert_allclose(got_grad.numpy(), want_grad.numpy(), atol=1e-5)
+    assert got_fn.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.parametrize("use_fused", [False, True])
+def test_roi_aligner_stage_passes_aligned(rng, use_fused):
+    features = random_pyramid(rng, 2, (64, 64), (2, 3), 3)
+    boxes = torchvision_boxes(rng, 2, 5, (64, 64))
+    align = fused.multilevel_roi_align if use_fused else roi_align.multilevel_roi_align
+    got = {aligned: RoIAligner(7, aligned=aligned, fused=use_fused)(features, boxes).numpy()
+           for aligned in (True, False)}
+    for aligned in (True, False):
+        np.testing.assert_array_equal(got[aligned], align(features, boxes, 7, 2, aligned).numpy())
+    assert not np.allclose(got[True], got[False], atol=1e-3)
+    assert RoIAligner(7).aligned is True
+
+
+def test_roi_align_bad_arguments_are_the_twins():
+    with pytest.raises(ValueError, match="sampling_ratio"):
+        fused.multilevel_roi_align({2: np.zeros((1, 4, 4, 1), np.float32)}, np.zeros((1, 3, 4), np.float32), 2, 0)

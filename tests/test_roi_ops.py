@@ -1,10 +1,13 @@
-"""Proposals against a slow NumPy reference (per-level top-k, clip, size filter, greedy NMS, merge)."""
+"""Proposals against a slow NumPy reference (per-level top-k, clip, size filter, greedy NMS, merge); the fused
+op (mrcnn_tf2.ops.fused) against this pure-TF twin and the reference.
+"""
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import box_ops
+from mrcnn_tf2.ops import fused
 from mrcnn_tf2.ops import roi_ops
 
 IMAGE_SIZE = (64, 96)
@@ -150,3 +153,56 @@ def test_bad_inputs_raise(anchors, rng):
     bad_boxes[2] = boxes[2][..., :-1]
     with pytest.raises(ValueError, match="rpn_boxes\\[2\\]"):
         roi_ops.multilevel_propose_rois(scores, bad_boxes, anchors, image_hw, 10, 10, 0.7)
+
+
+# -- the fused op against its twin -------------------------------------------------------------------------
+
+def both_propose(scores, boxes, anchors, image_hw, *args):
+    outs = [fn(scores, boxes, anchors, image_hw, *args)
+            for fn in (fused.multilevel_propose_rois, roi_ops.multilevel_propose_rois)]
+    return [(out["rois"].numpy(), out["roi_scores"].numpy()) for out in outs]
+
+
+def assert_same_proposals(got, want):
+    (rois, scores), (want_rois, want_scores) = got, want
+    assert rois.shape == want_rois.shape and scores.shape == want_scores.shape
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(rois, want_rois, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("pre, post, threshold, min_size", [
+    (100, 60, 0.7, 0.0), (40, 500, 0.5, 0.0), (100, 80, 0.7, 6.0), (1000, 1000, 0.7, 0.0), (5, 3, 0.3, 0.0)])
+def test_proposals_match_twin_and_oracle(anchors, rng, pre, post, threshold, min_size):
+    scores, boxes = rpn_outputs(rng, 2)
+    image_hw = np.array([[64.0, 96.0], [50.0, 70.0]], np.float32)
+    got, want = both_propose(scores, boxes, anchors, image_hw, pre, post, threshold, min_size)
+    assert_same_proposals(got, want)
+    assert_same_proposals(got, np_propose(scores, boxes, anchors, image_hw, pre, post, threshold,
+                                          min_size))
+
+
+def test_proposals_edge_cases(anchors, rng):
+    scores, boxes = rpn_outputs(rng, 3, delta_scale=3.0)  # many boxes leave the image or collapse
+    # An empty image (no proposal), a thin one (boxes clipped to nothing), and one where every logit ties.
+    image_hw = np.array([[0.0, 0.0], [64.0, 2.0], [64.0, 96.0]], np.float32)
+    for level in scores:
+        scores[level][2] = 0.5
+    got, want = both_propose(scores, boxes, anchors, image_hw, 50, 40, 0.7, 1.0)
+    assert_same_proposals(got, want)
+    assert np.all(got[0][0] == box_ops.PADDING_BOX_VALUE) and np.all(got[1][0] == roi_ops.PADDING_ROI_SCORE)
+    # Extreme deltas (clipped by BBOX_XFORM_CLIP) stay finite, as in the twin.
+    extreme = {level: np.where(rng.uniform(size=v.shape) < 0.5, 1e4, -1e4).astype(np.float32)
+               for level, v in boxes.items()}
+    got, want = both_propose(scores, extreme, anchors, image_hw, 30, 20, 0.7, 0.0)
+    assert np.all(np.isfinite(got[0]))
+    assert_same_proposals(got, want)
+
+
+def test_proposals_low_precision_inside_tf_function(anchors, rng):
+    scores, boxes = rpn_outputs(rng, 2)
+    image_hw = np.array([[64.0, 96.0], [64.0, 60.0]], np.float32)
+    cast = lambda d: {level: tf.cast(v, tf.bfloat16) for level, v in d.items()}  # noqa: E731
+    outs = [tf.function(lambda s, b, hw, fn=fn: fn(s, b, anchors, hw, 50, 40, 0.7))(
+        cast(scores), cast(boxes), image_hw) for fn in (fused.multilevel_propose_rois,
+                                                        roi_ops.multilevel_propose_rois)]
+    assert_same_proposals(*[(out["rois"].numpy(), out["roi_scores"].numpy()) for out in outs])

@@ -14,8 +14,7 @@ import tensorflow as tf
 import main
 from mrcnn_tf2.model.mask_rcnn import MaskRCNN
 from mrcnn_tf2.runtime import train as train_runtime
-# As a sibling, as test_train imports test_model (see there).
-from test_train import ROOT, SMALL_FLAGS, main_py, read_log
+from tests.support import ROOT, SMALL_FLAGS, main_py, read_log
 
 # SMALL_FLAGS at 64x64, one image a step: two steps of the whole loop in seconds, besides XLA's compiling.
 TINY_FLAGS = [*SMALL_FLAGS, "--image_size", "64", "64", "--train_batch_size", "1", "--epochs", "1", "--log_every", "1"]
@@ -45,6 +44,7 @@ def trainers(monkeypatch):
     return made
 
 
+@pytest.mark.timeout(300)  # a process that XLA-compiles the small model's train step
 def test_xla_trains_through_main_with_the_learned_layers_compiled_in_the_step(tmp_path, shapes_records):
     # TensorFlow's C++ INFO lines on, for XLA's "Compiled cluster" line (read at TensorFlow's start: a new process).
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}

@@ -1,35 +1,34 @@
 """The package under `--preset torchvision` against torchvision's own maskrcnn_resnet50_fpn, end to end.
 
-A torchvision model with seeded random weights and randomised batch-norm statistics is saved as a state
-dict, converted by weights/convert_torchvision.py, and both models run on the same photos (JPEG files of
-several sizes and orientations, read with PIL as torchvision's users read them): the normalised input,
-the FPN features, the RPN proposals, the final detections and the pasted masks must agree.
+The suite's torchvision model (conftest's torchvision_v1: seeded random weights, randomised batch-norm
+statistics, heads scaled to a trained model's ranges), saved as a state dict and converted by
+weights/convert_torchvision.py, and the package run on the same photos (JPEG files of several sizes and
+orientations, read with PIL as torchvision's users read them): the normalised input, the FPN features, the
+RPN proposals, the final detections and the pasted masks must agree.
 """
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import torch
-import torchvision
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image
 from pycocotools import mask as mask_utils
 
 import main
 from dataset.create_coco_tf_record import convert_coco
-
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.runtime import infer
 from mrcnn_tf2.runtime.predictor import load_model, predict_function
+from tests.support import maskrcnn_resnet50_fpn, photo
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The torchvision model's outputs and its conversion are module fixtures: the module's tests run on one
+# pytest-xdist worker, which makes them once.
+pytestmark = pytest.mark.xdist_group("torchvision_equivalence")
 # Smaller than torchvision's 800 / 1333 to keep the test quick on a CPU; the arithmetic is the same.
 MIN_SIZE, MAX_SIZE = 480, 800
 # (height, width) of the photos: landscape, portrait, square, and one whose resized sides are not multiples
@@ -37,66 +36,19 @@ MIN_SIZE, MAX_SIZE = 480, 800
 PHOTO_SIZES = ((480, 640), (500, 333), (400, 400), (371, 519))
 
 
-def photo(height, width, seed):
-    """A photo-like RGB image: a smooth gradient, blurred shapes and noise, as uint8 [h, w, 3]."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width] / max(height, width)
-    base = np.stack([120 + 100 * np.sin(3 * x + c) * np.cos(2 * y - c) for c in (0.0, 1.0, 2.0)], -1)
-    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
-    draw = ImageDraw.Draw(image)
-    for _ in range(12):
-        x0, y0 = rng.uniform(0, width), rng.uniform(0, height)
-        w, h = rng.uniform(20, width / 2), rng.uniform(20, height / 2)
-        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
-        (draw.ellipse if rng.uniform() < 0.5 else draw.rectangle)([x0, y0, x0 + w, y0 + h], fill=colour)
-    image = image.filter(ImageFilter.GaussianBlur(1.5))
-    noisy = np.asarray(image, np.float32) + rng.normal(0, 6, (height, width, 3))
-    return np.clip(noisy, 0, 255).astype(np.uint8)
-
-
-def torchvision_maskrcnn(state_dict_path, photo_paths, min_size, max_size, seed):
-    """A seeded torchvision maskrcnn_resnet50_fpn (BatchNorm2d backbone, as torchvision builds it without
-    pretrained weights) with randomised batch-norm statistics, RPN and class outputs scaled to a trained
-    model's ranges (confident, varied detections); saves its state dict to `state_dict_path` and runs it on
+def torchvision_outputs(state_dict_path, photo_paths):
+    """torchvision's maskrcnn_resnet50_fpn with the state dict at `state_dict_path`, at MIN_SIZE / MAX_SIZE, run on
     the photos (read with PIL, as torchvision's users read them).
 
     Returns, for photo i: i_input [H, W, 3] the padded, normalised model input; i_p{2..6} [H_l, W_l, 256] the
     FPN features (NHWC); i_proposals [P, 4]; i_boxes [D, 4] (original pixels); i_scores [D]; i_classes [D];
     i_masks [D, h, w] bool (pasted, > 0.5). Boxes [ymin, xmin, ymax, xmax].
     """
-    torch.manual_seed(seed)
-    model = torchvision.models.detection.maskrcnn_resnet50_fpn(
-        weights=None, weights_backbone=None, num_classes=91, min_size=min_size, max_size=max_size)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.BatchNorm2d):
-                channels = module.num_features
-                module.running_mean.copy_(0.1 * torch.randn(channels, generator=generator))
-                module.running_var.copy_(0.5 + torch.rand(channels, generator=generator))
-                module.weight.copy_(0.5 + torch.rand(channels, generator=generator))
-                module.bias.copy_(0.1 * torch.randn(channels, generator=generator))
-        # Randomised statistics leave the features large: RPN outputs scaled to a trained model's ranges
-        # (objectness logits of a few units, deltas of a few tenths), class logits up to confident scores.
-        model.rpn.head.cls_logits.weight.mul_(0.2)
-        model.rpn.head.bbox_pred.weight.mul_(0.01)
+    model = maskrcnn_resnet50_fpn(min_size=MIN_SIZE, max_size=MAX_SIZE)
+    model.load_state_dict(torch.load(state_dict_path, weights_only=True))
     model.eval()
     photos = [torch.from_numpy(np.asarray(Image.open(path).convert("RGB")).copy()).permute(2, 0, 1).float() / 255.0
               for path in photo_paths]
-    with torch.no_grad():
-        # Class logits of about 2.5 standard deviations and class deltas of about 0.5 on the first photo's
-        # RoI features: confident but varied scores, boxes that move.
-        image_list, _ = model.transform(photos[:1])
-        features = model.backbone(image_list.tensors)
-        proposals, _ = model.rpn(image_list, features)
-        pooled = model.roi_heads.box_roi_pool(features, proposals, image_list.image_sizes)
-        rms = model.roi_heads.box_head(pooled).pow(2).mean().sqrt()
-        predictor = model.roi_heads.box_predictor
-        width = predictor.cls_score.in_features ** 0.5
-        predictor.cls_score.weight.normal_(0.0, float(2.5 / (rms * width)), generator=generator)
-        predictor.bbox_pred.weight.normal_(0.0, float(0.5 / (rms * width)), generator=generator)
-    torch.save(model.state_dict(), state_dict_path)
-
     yxyx = [1, 0, 3, 2]
     out = {}
     for i, tensor in enumerate(photos):
@@ -129,20 +81,15 @@ def photo_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(photo_files, tmp_path_factory):
-    """(state dict path, torchvision's outputs) of the seeded model (`torchvision_maskrcnn`)."""
-    state = str(tmp_path_factory.mktemp("torchvision") / "model.pth")
-    outputs = torchvision_maskrcnn(state, [path for _, _, path in photo_files], MIN_SIZE, MAX_SIZE, seed=0)
-    return state, outputs
+def reference(photo_files, torchvision_v1):
+    """torchvision's outputs (`torchvision_outputs`) of the suite's v1 model on the photos."""
+    return torchvision_outputs(torchvision_v1["state_dict"], [path for _, _, path in photo_files])
 
 
 @pytest.fixture(scope="module")
-def converted(reference, tmp_path_factory):
-    """The torchvision model's state dict converted into a model directory."""
-    model_dir = str(tmp_path_factory.mktemp("converted") / "model")
-    subprocess.run([sys.executable, os.path.join(REPO, "weights", "convert_torchvision.py"), "--input",
-                    reference[0], "--output_dir", model_dir], check=True, capture_output=True, cwd=REPO)
-    return model_dir
+def converted(torchvision_v1):
+    """The model directory of the v1 model's conversion."""
+    return str(torchvision_v1["model_dir"])
 
 
 def package_config(model_dir, *flags):
@@ -219,6 +166,8 @@ def borderline(scores, cutoff_scores):
     return np.array([min(abs(s - c) for c in cutoff_scores) <= 1e-3 for s in scores], bool)
 
 
+# Budget: ResNet-50 at 480..800 px on four photos, after the fixtures' torchvision run and conversion.
+@pytest.mark.timeout(300)
 @pytest.mark.onednn  # the convolutions' numbers are oneDNN's or TensorFlow's
 @pytest.mark.parametrize("custom_ops", ["on", "off"])
 def test_detections_equal_torchvisions(reference, converted, photo_files, custom_ops):
@@ -226,7 +175,7 @@ def test_detections_equal_torchvisions(reference, converted, photo_files, custom
     loaded = load_model(config)
     for i, (height, width, path) in enumerate(photo_files):
         image = infer.read_image(path)
-        theirs = torch_outputs(reference[1], i)
+        theirs = torch_outputs(reference, i)
         ours = package_outputs(loaded, config, image)
         where = f"photo {height}x{width}, custom_ops {custom_ops}"
 
@@ -278,7 +227,7 @@ def test_eval_gives_torchvisions_coco_ap(reference, converted, photo_files, tmp_
     # of the same JPEG files must score the same AP as torchvision's predictions scored by pycocotools.
     images, annotations, theirs = [], [], []
     for i, (height, width, path) in enumerate(photo_files):
-        out = torch_outputs(reference[1], i)
+        out = torch_outputs(reference, i)
         images.append({"id": i + 1, "file_name": os.path.basename(path), "height": height, "width": width})
         confident = (out["scores"] > 0.2) & (np.arange(len(out["scores"])) % 2 == 0)
         for result in coco_results(i + 1, out["boxes"][confident], out["scores"][confident],
@@ -301,12 +250,14 @@ def test_eval_gives_torchvisions_coco_ap(reference, converted, photo_files, tmp_
                         "--config_override", f"data.resize_max_size={MAX_SIZE}"])
     assert status == 0
     ours = json.loads((model_dir / "eval_results.json").read_text())["metrics"]
-    expected = coco_metrics.evaluate(coco_metrics.load_annotations(str(eval_file)), theirs, [image["id"] for image in images])
+    expected = coco_metrics.evaluate(coco_metrics.load_annotations(str(eval_file)), theirs,
+                                     [image["id"] for image in images])
     for key in ("bbox/AP", "segm/AP"):
         assert 0.2 < expected[key] < 0.95, (key, expected[key])
         assert abs(ours[key] - expected[key]) <= 0.005, (key, ours[key], expected[key])
 
 
+@pytest.mark.timeout(300)  # fine-tunes and evaluates a ResNet-50 Mask R-CNN
 def test_fine_tuning_a_converted_model_trains_checkpoints_and_evaluates(converted, shapes_records, tmp_path, capsys):
     # 91 COCO classes -> the 5 generated shapes: the class layers start anew (listed), the rest is loaded.
     model_dir = tmp_path / "finetuned"

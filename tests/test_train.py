@@ -3,9 +3,9 @@ evaluation during training and the early stop at the target APs."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import keras
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import main
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.model.factory import choose_ops
@@ -21,37 +22,8 @@ from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
 from mrcnn_tf2.status import FAILURE
-# As a sibling, not tests.test_model: tests/distributed_sync.py imports this module when horovodrun runs it as
-# a script, where only tests/ is on sys.path.
-from test_model import small_config, synthetic_batch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A ResNet-18 Mask R-CNN at 128x128 with small heads: a step takes a fraction of a second here.
-SMALL_FLAGS = [
-    "--backbone", "resnet18", "--image_size", "128", "128", "--num_classes", "6", "--train_batch_size", "2",
-    "--seed", "1", "--log_warmup_steps", "1",
-    "--config_override", "model.fast_rcnn_mlp_head_dim=64",
-    "--config_override", "model.roi.batch_size_per_im=32",
-    "--config_override", "model.rpn.train_rpn_pre_nms_topn=200",
-    "--config_override", "model.rpn.train_rpn_post_nms_topn=100",
-    "--config_override", "data.max_num_instances=8",
-    "--config_override", "data.gt_mask_size=14",
-]
-
-# SMALL_FLAGS with small inference budgets, for the runs that evaluate or infer.
-EVAL_FLAGS = [*SMALL_FLAGS, "--eval_batch_size", "2",
-              "--config_override", "model.rpn.test_rpn_pre_nms_topn=200",
-              "--config_override", "model.rpn.test_rpn_post_nms_topn=100",
-              "--config_override", "model.test.test_detections_per_image=10"]
-
-
-def main_py(*args):
-    return [sys.executable, os.path.join(ROOT, "main.py"), *args]
-
-
-def read_log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, main_py,
+                           read_log, run_main, small_config, synthetic_batch, trainer_for)
 
 
 def test_schedule_warms_up_linearly_then_steps_at_the_boundaries():
@@ -90,30 +62,9 @@ def test_benchmark_schedule_is_a_tenth_of_the_rate_after_warmup_at_every_step():
     assert [float(schedule(step)) for step in (0, 1, 499, 10_000)] == pytest.approx([0.00025] * 4)
 
 
-def trainer_for(config):
-    config.data.training_file_pattern = "/nonexistent/train-*.tfrecord"  # never read: steps_per_epoch is set
-    config.train.steps_per_epoch = 10
-    return train_runtime.Trainer(config)
-
-
-def equally_weighted_config():
-    """The small model as a Faster R-CNN with every proposal sampled: when each image holds one object, its
-    loss is a mean of equally weighted per-image terms, so one update on a batch of N images must equal N
-    accumulated (or N Horovod ranks') updates on one image each."""
-    config = small_config()
-    config.model.include_mask = False
-    config.model.roi.batch_size_per_im = 128
-    config.model.roi.fg_fraction = 1.0
-    config.model.rpn.train_rpn_post_nms_topn = 20
-    config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
-    # Frozen batch norm: batch statistics of a batch of N images are not those of N batches of one.
-    config.model.freeze_bn = True
-    return config
-
-
 def test_accumulated_update_equals_one_update_on_the_larger_batch():
     # One object in each image, so that both images sample as many RoIs (see below).
-    batch = synthetic_batch(small_config(), objects_per_image=(1, 1))
+    batch = combined_batch()
     halves = [tf.nest.map_structure(lambda t, i=i: t[i:i + 1], batch) for i in range(2)]
     trainers = []
     for batch_size, accumulate in ((2, 1), (1, 2)):
@@ -140,9 +91,7 @@ def test_accumulated_update_equals_one_update_on_the_larger_batch():
 def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_records, freeze_bn):
     config = small_config()
     config.data.data_dir = shapes_records["data_dir"]
-    config.model.num_classes = 6
     config.model.freeze_bn = freeze_bn
-    config.data.max_num_instances = 8
     config.runtime.model_dir = str(tmp_path)
     config.runtime.checkpoint_every = 1
     # A learning rate that makes the weights, then the losses, overflow within a few steps.
@@ -171,9 +120,19 @@ def start_training(model_dir, data_dir, *extra):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def training_flags(model_dir, data_dir):
+    """`main.py train` of the small model: 2 epochs of 4 steps, a checkpoint every 2."""
+    return ["train", "--data_dir", data_dir, "--model_dir", str(model_dir), *SMALL_FLAGS, "--steps_per_epoch", "4",
+            "--epochs", "2", "--checkpoint_every", "2", "--log_every", "1"]
+
+
+# Budget: a training process to kill, with the test's own deadline of 300 s, then the rerun.
+@pytest.mark.timeout(600)
 @pytest.mark.slow
-def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_records):
-    process = start_training(tmp_path, shapes_records["data_dir"])
+def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_records, capsys):
+    # A real process, killed: what it left on disk is all the rerun has.
+    process = subprocess.Popen(main_py(*training_flags(tmp_path, shapes_records["data_dir"])), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not os.path.exists(tmp_path / "ckpt-2.index"):
         assert process.poll() is None, process.stdout.read()
@@ -183,9 +142,7 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_re
     process.wait()
     killed_at = max(r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics")
     assert 2 <= killed_at < 8
-    rerun = start_training(tmp_path, shapes_records["data_dir"])
-    output, _ = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, output
+    assert main.main(training_flags(tmp_path, shapes_records["data_dir"])) == 0
     log = read_log(tmp_path / "log.jsonl")
     resumed = [r for r in log if r["event"] == "resumed"]
     assert len(resumed) == 1 and resumed[0]["step"] >= 2 and resumed[0]["step"] % 2 == 0
@@ -203,45 +160,41 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_re
     assert saved == [r for r in log if r["event"] == "start"][-1]["config"]
     assert saved["model"]["backbone"] == "resnet18" and saved["train"]["steps_per_epoch"] == 4
     assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
-    again = subprocess.run(main_py("train", "--model_dir", str(tmp_path)), cwd=ROOT, capture_output=True, text=True)
-    assert again.returncode == 0 and "already trained" in again.stdout, again.stdout + again.stderr
+    capsys.readouterr()
+    assert main.main(["train", "--model_dir", str(tmp_path)]) == 0
+    assert "already trained" in capsys.readouterr().out
     # eval needs only what it adds; the saved model's shape cannot be changed by a flag.
-    evaluated = subprocess.run(main_py("eval", "--model_dir", str(tmp_path), "--eval_file", shapes_records["val_json"],
-                                       "--eval_samples", "2", "--eval_batch_size", "2"),
-                               cwd=ROOT, capture_output=True, text=True)
-    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    assert main.main(["eval", "--model_dir", str(tmp_path), "--eval_file", shapes_records["val_json"],
+                      "--eval_samples", "2", "--eval_batch_size", "2"]) == 0
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert results["step"] == 8 and results["num_images"] == 2
-    contradicted = subprocess.run(main_py("eval", "--model_dir", str(tmp_path), "--backbone", "resnet34"),
-                                  cwd=ROOT, capture_output=True, text=True)
-    assert contradicted.returncode == 2 and "resnet34" in contradicted.stderr and "resnet18" in contradicted.stderr
+    capsys.readouterr()
+    assert run_main(["eval", "--model_dir", str(tmp_path), "--backbone", "resnet34"]) == 2
+    err = capsys.readouterr().err
+    assert "resnet34" in err and "resnet18" in err
 
 
 @pytest.mark.slow
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, shapes_records):
-    first = start_training(tmp_path, shapes_records["data_dir"], "--epochs", "1")
-    output, _ = first.communicate(timeout=300)
-    assert first.returncode == 0, output
-    latest = tf.train.latest_checkpoint(str(tmp_path))
-    assert latest.endswith("ckpt-4")
-    data_file = next(p for p in os.listdir(tmp_path) if p.startswith("ckpt-4.data"))
-    with open(tmp_path / data_file, "r+b") as f:
-        f.truncate(os.path.getsize(tmp_path / data_file) // 2)
-    rerun = start_training(tmp_path, shapes_records["data_dir"])
-    output, _ = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, output
-    assert "ckpt-4 is unreadable" in output
-    resumed = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "resumed"]
-    assert resumed[-1]["step"] == 2 and resumed[-1]["checkpoint"].endswith("ckpt-2")
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, trained_model, capsys):
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model, model_dir)
+    latest = f"ckpt-{TRAINED_STEPS}"
+    assert tf.train.latest_checkpoint(str(model_dir)).endswith(latest)
+    data_file = next(p for p in os.listdir(model_dir) if p.startswith(f"{latest}.data"))
+    with open(model_dir / data_file, "r+b") as f:
+        f.truncate(os.path.getsize(model_dir / data_file) // 2)
+    # One more epoch than the run had: it resumes from the checkpoint before the corrupt one.
+    assert main.main(["train", "--model_dir", str(model_dir), "--epochs", str(TRAINED_STEPS // 2 + 1)]) == 0
+    printed = capsys.readouterr()
+    assert f"{latest} is unreadable" in printed.out + printed.err
+    resumed = [r for r in read_log(model_dir / "log.jsonl") if r["event"] == "resumed"]
+    assert resumed[-1]["step"] == TRAINED_STEPS - 1 and resumed[-1]["checkpoint"].endswith(f"ckpt-{TRAINED_STEPS - 1}")
 
 
-def test_benchmark_prints_throughput_and_latency_percentiles(tmp_path, shapes_records):
-    result = subprocess.run(
-        main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), *SMALL_FLAGS,
-                "--benchmark", "--benchmark_steps", "4", "--use_synthetic_data"),
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+def test_benchmark_prints_throughput_and_latency_percentiles(tmp_path, shapes_records, capsys):
+    assert main.main(["train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), *SMALL_FLAGS,
+                      "--benchmark", "--benchmark_steps", "4", "--use_synthetic_data"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     throughput = [line for line in lines if line.startswith("train throughput:")]
     assert len(throughput) == 1 and throughput[0].endswith(" img/s")
     record = json.loads(next(line for line in lines if line.startswith('{"benchmark"')))
@@ -252,29 +205,27 @@ def test_benchmark_prints_throughput_and_latency_percentiles(tmp_path, shapes_re
     assert not any(name.startswith("ckpt") for name in os.listdir(tmp_path))  # benchmarks leave no checkpoint
 
 
+@pytest.mark.timeout(300)  # the default (full-width) model of each backbone, ResNet-101 the longest
 @pytest.mark.slow
 @pytest.mark.parametrize("backbone", ["resnet18", "resnet34", "resnet50", "resnet101"])
-def test_benchmark_trains_from_scratch_at_the_defaults_at_a_constant_rate(tmp_path, shapes_records, backbone):
+def test_benchmark_trains_from_scratch_at_the_defaults_at_a_constant_rate(tmp_path, shapes_records, backbone, capsys):
     """Every backbone at the default model, schedule and learning rate, at 128x128 batch 2: the benchmark runs
     all its steps at a tenth of the rate after the warm-up (0.1 x 1e-2 x 2 / 8), with finite losses."""
-    result = subprocess.run(
-        main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), "--backbone",
-                backbone, "--image_size", "128", "128", "--train_batch_size", "2", "--seed", "1", "--benchmark",
-                "--use_synthetic_data", "--log_warmup_steps", "2", "--benchmark_steps", "8", "--log_every", "1"),
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "no pretrained weights: training from scratch" in result.stdout
+    assert main.main(["train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), "--backbone",
+                      backbone, "--image_size", "128", "128", "--train_batch_size", "2", "--seed", "1", "--benchmark",
+                      "--use_synthetic_data", "--log_warmup_steps", "2", "--benchmark_steps", "8",
+                      "--log_every", "1"]) == 0
+    assert "no pretrained weights: training from scratch" in capsys.readouterr().out
     metrics = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics"]
     assert [r["step"] for r in metrics] == list(range(1, 11))
     assert all(r["learning_rate"] == pytest.approx(0.00025) for r in metrics)
     assert all(np.isfinite(r["loss_total"]) for r in metrics)
 
 
-def test_missing_training_files_are_a_clear_error(tmp_path):
-    result = subprocess.run(main_py("train", "--data_dir", str(tmp_path)), cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 2
-    assert "--data_dir" in result.stderr and "train*.tfrecord" in result.stderr
+def test_missing_training_files_are_a_clear_error(tmp_path, capsys):
+    assert run_main(["train", "--data_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--data_dir" in err and "train*.tfrecord" in err
 
 
 def test_target_is_reached_when_every_given_ap_is_met():
@@ -303,7 +254,6 @@ def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records
 def test_the_training_input_labels_the_models_own_anchors_with_the_factorys_op(shapes_records, monkeypatch):
     config = small_config()
     config.data.data_dir = shapes_records["data_dir"]
-    config.model.num_classes = 6
     config.model.anchors.anchor_scale = 4.0  # not the default anchors
     config.train.steps_per_epoch = 1
     given = {}
@@ -325,7 +275,7 @@ def test_the_training_input_labels_the_models_own_anchors_with_the_factorys_op(s
 
 
 def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shapes_records, capsys):
-    _, config = parse(["train", *EVAL_FLAGS, "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path),
+    _, config = parse(["train", *SMALL_FLAGS, "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path),
                        "--eval_file", shapes_records["val_json"], "--steps_per_epoch", "1", "--epochs", "3",
                        "--eval_samples", "2", "--log_every", "1", "--log_tensorboard", str(tmp_path / "tb"),
                        # Targets any model meets: the first evaluation (epoch 1) ends the run.
@@ -380,6 +330,7 @@ def from_scratch_losses(tmp_path, data_dir, *overrides):
     return status, losses
 
 
+@pytest.mark.timeout(300)  # ResNet-50 at the default widths, 20 steps at 256x256
 @pytest.mark.slow
 def test_resnet50_trains_from_scratch_at_the_defaults(tmp_path, shapes_records, capsys):
     status, losses = from_scratch_losses(tmp_path, shapes_records["data_dir"])

@@ -33,8 +33,7 @@ import main
 from dataset.create_coco_tf_record import convert_coco
 from dataset.make_shapes_dataset import make_shapes_dataset
 from mrcnn_tf2 import status
-from tests.test_convert_torchvision import run_converter
-from tests.test_train import read_log
+from tests.support import read_log, run_converter
 
 # Square scenes of IMAGE_SIDE px (objects of 8 to IMAGE_SIDE / 2 px), trained and evaluated at that size by both
 # libraries (torchvision's min_size = max_size = the package's resize_min_size = resize_max_size = image_size).
@@ -198,6 +197,8 @@ def experiment(tmp_path_factory):
     return transfer_experiment(tmp_path_factory.mktemp("transfer"), DATA_SEED, TORCH_SEED, RUN_SEED)
 
 
+# Budget: its fixture trains torchvision 40 steps, then the package twice and evaluates twice.
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_fine_tuning_from_converted_torchvision_weights_beats_training_from_scratch(experiment):
     transferred, scratch = experiment["transferred"], experiment["scratch"]
