@@ -1,5 +1,6 @@
-"""Shared pytest set-up: torch without Triton, quiet TensorFlow, fixed seeds, and the expensive inputs that several
-test modules read (generated data, a trained small model), made once per test run.
+"""Shared pytest set-up: torch without Triton, quiet TensorFlow, fixed seeds, the expensive inputs that several test
+modules read (generated data, a trained small model, a converted torchvision model), made once per test run, and
+the order in which the tests run.
 
 The tests import the repository's top-level main.py, dataset/, weights/, scripts/ and tests/ modules:
 pytest.ini's `pythonpath = .` puts the repository root on sys.path (the package itself is installed, editable).
@@ -90,7 +91,6 @@ def trained_model(tmp_path_factory, shapes_records):
     return built_once(tmp_path_factory, "trained_model", build)
 
 
-
 @pytest.fixture(scope="session")
 def torchvision_v1(tmp_path_factory):
     """The suite's torchvision Mask R-CNN v1 (support.torchvision_v1_model), saved with torch.save and converted
@@ -108,6 +108,7 @@ def torchvision_v1(tmp_path_factory):
     folder = built_once(tmp_path_factory, "torchvision_v1", build)
     return {"state_dict": folder / "maskrcnn_resnet50_fpn.pth", "model_dir": folder / "model",
             "converter_output": (folder / "converter_output.txt").read_text()}
+
 
 def pytest_collection_modifyitems(items):
     """The modules with slow tests first, each module's tests kept together (its module fixtures made once): the

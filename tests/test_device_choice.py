@@ -44,7 +44,7 @@ def device(request, monkeypatch):
 
 
 def config_for(custom_ops="auto", xla=False):
-    """tests.test_model's small model with every conv trainable (so that each gets a kernel gradient), run on
+    """The small model (support.small_config) with every conv trainable (so that each gets a kernel gradient), run on
     batches of one image (where oneDNN's batch-of-one routes apply)."""
     config = small_config()
     config.model.freeze_blocks = ()
