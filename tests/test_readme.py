@@ -31,19 +31,28 @@ def fenced_commands(text):
                 yield line
 
 
+# Words that end one command of a line and start the next (or a redirection).
+SEPARATORS = ("|", "&&", ";", ">", "2>&1")
+
+
 def invocations(command):
     """(script, arguments) of each Python script of this repository that `command` runs."""
     try:
         words = shlex.split(command)
     except ValueError:
         return
+    in_pytest = False  # pytest's arguments name test files, not scripts that run
     for i, word in enumerate(words):
         name = word.removeprefix("./")
+        if name in SEPARATORS:
+            in_pytest = False
+            continue
+        in_pytest = in_pytest or name == "pytest"
         entry_point = name.endswith("bin/mrcnn-tf2") or (name == "mrcnn-tf2" and i == 0)  # not docker's image
-        if name == "main.py" or entry_point or (name.endswith(".py") and (ROOT / name).is_file()):
+        if not in_pytest and (name == "main.py" or entry_point or (name.endswith(".py") and (ROOT / name).is_file())):
             rest = []
             for item in words[i + 1:]:
-                if item in ("|", "&&", ";", ">", "2>&1"):
+                if item in SEPARATORS:
                     break
                 rest.append(item)
             yield ("main.py" if entry_point else name), rest
