@@ -159,11 +159,6 @@ def read_log(path):
         return [json.loads(line) for line in f]
 
 
-def events(path, event):
-    """The records of one event ("metrics", "resumed", ...) of a run's log.jsonl."""
-    return [record for record in read_log(path) if record["event"] == event]
-
-
 def run_main(argv):
     """The exit status of `main.py ARGV` run in this process: what main() returns, or the code argparse exits
     with on bad flags."""
