@@ -25,6 +25,9 @@ RUNNERS = {
     "export": "mrcnn_tf2.runtime.export",
 }
 
+# The modes that run as one job under horovodrun / mpirun: training, and evaluation (each rank evaluates its
+# share of the validation records). Their runners take `run(config, world)`.
+DISTRIBUTED_MODES = ("train", "eval")
 
 # TensorFlow's start-up lines that say nothing a user acts on: the oneDNN banner, the CUDA probing of a
 # machine without a GPU, the CPU-instructions notice. TensorFlow >= 2.16 writes them through absl before
@@ -113,6 +116,22 @@ def import_tensorflow(onednn=None, verbose=False):
     return tf
 
 
+def start_world(mode):
+    """The process world of `mode` (runtime.distributed.World): Horovod's under a launcher for the modes in
+    DISTRIBUTED_MODES. Raises distributed.LaunchError when the launcher and Horovod disagree, or when a
+    launcher started several processes of a one-process mode (they would all write the same files)."""
+    from mrcnn_tf2.runtime import distributed
+
+    if mode in DISTRIBUTED_MODES:
+        return distributed.init_world()
+    launch = distributed.read_launch()
+    if launch is not None and launch.size > 1:
+        raise distributed.LaunchError(
+            f"{mode} runs in one process, but {launch.launcher} started {launch.size} "
+            f"({launch.size_variable}={launch.size}): run it without a launcher", launch.rank)
+    return distributed.SINGLE_PROCESS
+
+
 def main(argv=None) -> int:
     """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status)."""
     args, config, sources = parse(argv, with_sources=True)
@@ -125,11 +144,19 @@ def main(argv=None) -> int:
         print(f"main.py: error: {err}", file=sys.stderr)
         return status.BAD_INPUT
     import_tensorflow(args.onednn, config.runtime.verbose)
+    from mrcnn_tf2.runtime import distributed
+
+    try:
+        world = start_world(args.mode)
+    except distributed.LaunchError as err:
+        if err.rank == 0:  # one line for the job, not one per process
+            print(f"main.py: error: {err}", file=sys.stderr)
+        return status.BAD_INPUT
     runner = importlib.import_module(RUNNERS[args.mode])
     from mrcnn_tf2.ops.fused import CustomOpsUnavailable
 
     try:
-        return runner.run(config) or status.OK
+        return (runner.run(config, world) if args.mode in DISTRIBUTED_MODES else runner.run(config)) or status.OK
     except CustomOpsUnavailable as err:  # --custom_ops on, and the library cannot be used
         print(f"main.py: error: --custom_ops on: {err}", file=sys.stderr)
         return status.BAD_INPUT

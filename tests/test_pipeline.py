@@ -149,6 +149,17 @@ def test_eval_reads_every_record_once_in_order_keeping_the_last_partial_batch(re
     assert sorted(ids) == sorted(image["id"] for image in annotations["val"]["images"])
 
 
+@pytest.mark.parametrize("max_records", [None, 4])
+def test_evaluation_workers_share_the_first_records_of_one_process_by_record(records, max_records):
+    train, _, _ = records  # 2 files of 3 records: sharing by record, not by file, even with as many files
+    one_process = [int(i) for b in InputPipeline(make_config(), training=False).dataset(train, 2, 0, 1, max_records)
+                   for i in b["source_ids"]]
+    assert len(one_process) == (6 if max_records is None else max_records)
+    shares = [[int(i) for b in InputPipeline(make_config(), training=False).dataset(train, 2, worker, 2, max_records)
+               for i in b["source_ids"]] for worker in (0, 1)]
+    assert shares == [one_process[0::2], one_process[1::2]]
+
+
 def source_ids(serialized_records):
     return [int(decode_example(s, include_masks=False)["source_id"]) for s in serialized_records]
 

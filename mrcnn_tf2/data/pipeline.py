@@ -186,18 +186,42 @@ class InputPipeline:
         self.anchors = anchors
         self.preprocessor = Preprocessor(config.data)
 
-    def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1):
+    def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1, max_records=None):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
 
-        Worker `shard_index` of `num_shards` reads its share of the records before they are shuffled:
-        its own files, or with fewer files than workers every `num_shards`-th record (see
-        `worker_records`; worker 0 prints a notice). Training repeats forever; evaluation reads each record
-        once, in a fixed order, and keeps the last partial batch.
+        Training: worker `shard_index` of `num_shards` reads its share of the records before they are
+        shuffled: its own files, or with fewer files than workers every `num_shards`-th record (see
+        `worker_records`; worker 0 prints a notice), repeated forever.
+        Evaluation: the first `max_records` records (None: all) in the order one process reads them, and of
+        those every `num_shards`-th from `shard_index` on, each once, keeping the last partial batch: the
+        workers together evaluate exactly the images one process would.
         """
         paths = sorted(tf.io.gfile.glob(file_pattern))
         if not paths:
             raise ValueError(f"file pattern {file_pattern!r} matches no file (make TFRecords with "
                              "dataset/create_coco_tf_record.py)")
+        if self.training:
+            records = self._training_records(paths, file_pattern, shard_index, num_shards)
+            records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
+            # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.
+            examples = records.enumerate().map(self.preprocess_train, num_parallel_calls=tf.data.AUTOTUNE)
+            batches = examples.batch(batch_size, drop_remainder=True)
+            if self.data.use_synthetic_data:
+                batches = batches.take(1).cache().repeat()
+        else:
+            for path in paths:
+                check_tfrecord_file(path, file_pattern)
+            records = worker_records(paths, 0, 1, training=False)
+            if max_records is not None:
+                records = records.take(max_records)
+            examples = records.shard(num_shards, shard_index).map(self.preprocess_eval,
+                                                                  num_parallel_calls=tf.data.AUTOTUNE)
+            # Zero padding to the batch's largest example, then to the model input's size (`pad_batch`).
+            batches = examples.padded_batch(batch_size, drop_remainder=False).map(self._pad_batch)
+        return batches.prefetch(tf.data.AUTOTUNE)
+
+    def _training_records(self, paths, file_pattern, shard_index, num_shards):
+        """This worker's training records (`worker_records`), after checking the files it reads."""
         by_record = len(paths) < num_shards
         for path in paths if by_record else paths[shard_index::num_shards]:
             check_tfrecord_file(path, file_pattern)
@@ -208,19 +232,7 @@ class InputPipeline:
                                  "workers")
             if shard_index == 0:
                 notice_record_sharding(file_pattern, len(paths), num_shards)
-        records = worker_records(paths, shard_index, num_shards, self.training, self.seed)
-        if self.training:
-            records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
-            # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.
-            examples = records.enumerate().map(self.preprocess_train, num_parallel_calls=tf.data.AUTOTUNE)
-            batches = examples.batch(batch_size, drop_remainder=True)
-            if self.data.use_synthetic_data:
-                batches = batches.take(1).cache().repeat()
-        else:
-            examples = records.map(self.preprocess_eval, num_parallel_calls=tf.data.AUTOTUNE)
-            # Zero padding to the batch's largest example, then to the model input's size (`pad_batch`).
-            batches = examples.padded_batch(batch_size, drop_remainder=False).map(self._pad_batch)
-        return batches.prefetch(tf.data.AUTOTUNE)
+        return worker_records(paths, shard_index, num_shards, True, self.seed)
 
     def _pad_batch(self, batch):
         return dict(batch, images=self.preprocessor.pad_batch(batch["images"], batch["image_info"]))

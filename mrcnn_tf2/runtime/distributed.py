@@ -10,14 +10,12 @@ Keras 3 variables are not `tf.Variable`s: Horovod is handed the underlying `v.va
 skips the allreduce.
 """
 
+import dataclasses
 import os
 
 import keras
 import tensorflow as tf
 
-# Variables that a launcher sets in each process it starts: horovodrun (Gloo, and MPI through mpirun),
-# Open MPI's mpirun, MPICH / Intel MPI (PMI).
-LAUNCHER_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # Seconds a Gloo collective waits for a peer before failing. A dead rank is noticed sooner, by its closed
 # connections and by horovodrun, which stops the others; this bounds a hung (e.g. stopped) one.
 DEFAULT_GLOO_TIMEOUT_SECONDS = "60"
@@ -79,30 +77,102 @@ class World:
 
 SINGLE_PROCESS = World()
 
+# What each launcher sets in every process it starts: (launcher, rank variable, process-count variable), in
+# the order they are read. horovodrun with Gloo; Open MPI's mpirun (also under `horovodrun --mpi`); the
+# PMI of MPICH's and Intel MPI's launchers.
+LAUNCHERS = (
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("mpiexec (PMI)", "PMI_RANK", "PMI_SIZE"),
+)
 
-def launched():
-    """True when a launcher started this process as one rank of a job (see LAUNCHER_RANK_VARIABLES)."""
-    return any(name in os.environ for name in LAUNCHER_RANK_VARIABLES)
 
+class LaunchError(Exception):
+    """The launcher and Horovod disagree, so the run must not start: the one line says why and what to do.
 
-def init_world():
-    """The World of this process: Horovod's when launched by horovodrun/mpirun, else SINGLE_PROCESS.
-
-    Raises RuntimeError when a launcher started the process but Horovod cannot be imported.
+    `rank` is the process's rank as the launcher numbers it; the command line prints the message on rank 0
+    only, so that a refused job says it once.
     """
-    if not launched():
+
+    def __init__(self, message, rank):
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the launcher says of this process: it is `rank` of `size`, and `size_variable` says `size`."""
+
+    launcher: str
+    rank: int
+    size: int
+    size_variable: str
+
+
+def read_launch(environ=os.environ):
+    """The `Launch` of this process according to LAUNCHERS' variables, or None outside a launcher.
+
+    Raises LaunchError when a rank variable is set but the launcher's variables do not form a rank and a
+    process count (missing count, not integers, rank outside [0, count)).
+    """
+    for launcher, rank_variable, size_variable in LAUNCHERS:
+        if rank_variable not in environ:
+            continue
+        rank, size = environ[rank_variable], environ.get(size_variable)
+        if size is None or not (rank.isdigit() and size.isdigit()) or int(rank) >= int(size):
+            raise LaunchError(
+                f"{rank_variable}={rank!r} and {size_variable}={size!r} are not a rank and a process count: "
+                f"{launcher} sets both; unset {rank_variable} to run one process, or start the job with "
+                "horovodrun or mpirun", rank=int(rank) if rank.isdigit() else 0)
+        return Launch(launcher, int(rank), int(size), size_variable)
+    return None
+
+
+def init_world(environ=os.environ):
+    """The World of this process: Horovod's when a launcher started several processes, else SINGLE_PROCESS.
+
+    Raises LaunchError, before anything is written, when a launcher started N > 1 processes but Horovod does
+    not form a world of those N: Horovod is not installed, or it was built without the launcher's MPI (each
+    process would be rank 0 of 1, N independent trainings writing one model_dir), or the sizes differ.
+    """
+    launch = read_launch(environ)
+    if launch is None or launch.size == 1:
         return SINGLE_PROCESS
-    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", DEFAULT_GLOO_TIMEOUT_SECONDS)
+    started = f"{launch.launcher} started {launch.size} processes ({launch.size_variable}={launch.size})"
+    environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", DEFAULT_GLOO_TIMEOUT_SECONDS)
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        # Open MPI waits for messages by spinning; on CPUs that spin takes the cores TensorFlow computes on
+        # (docs/DISTRIBUTED.md, "CPU-only jobs"). Read at MPI_Init, inside hvd.init().
+        environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     try:
         import horovod.tensorflow as hvd
     except ImportError as err:
-        variable = next(name for name in LAUNCHER_RANK_VARIABLES if name in os.environ)
-        raise RuntimeError(
-            f"started by a launcher ({variable} is set) but horovod.tensorflow does not import ({err}): "
-            "run scripts/setup.sh, which builds Horovod into .venv") from err
+        raise LaunchError(f"{started} but horovod.tensorflow does not import ({err}): run `make setup`, which "
+                          "builds Horovod into .venv", launch.rank) from err
     hvd.init()
+    if (hvd.size(), hvd.rank()) != (launch.size, launch.rank):
+        raise LaunchError(f"{started} but Horovod formed a world of {hvd.size()} (this process: launcher rank "
+                          f"{launch.rank}, Horovod rank {hvd.rank()}): {_mismatch_cause(hvd, launch, environ)}",
+                          launch.rank)
     # One GPU per rank: each process must see only its own, before TensorFlow first touches them.
-    gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
     return World(hvd.size(), hvd.rank(), hvd.local_rank(), hvd)
+
+
+def _mismatch_cause(hvd, launch, environ):
+    """Why Horovod's world differs from the launcher's, and the fix, as one clause."""
+    if launch.launcher == "horovodrun":
+        return "the processes did not meet at horovodrun's rendezvous; start the job with horovodrun alone"
+    if not hvd.mpi_built():
+        return ("this Horovod was built without MPI, so it cannot join an MPI job; install Open MPI "
+                "(apt-get install openmpi-bin libopenmpi-dev) and rerun `make setup`, which rebuilds Horovod "
+                "with it, or launch with `horovodrun --gloo`")
+    if not hvd.mpi_enabled():
+        controller = environ.get("HOROVOD_CONTROLLER")
+        return (f"Horovod did not use MPI (HOROVOD_CONTROLLER={controller}); unset HOROVOD_CONTROLLER and "
+                "HOROVOD_CPU_OPERATIONS under mpirun" if controller else
+                "Horovod did not use MPI; launch with `horovodrun --gloo`, or rebuild Horovod with this MPI")
+    return ("the launcher's MPI is not the one Horovod was built with; rerun `make setup` with this MPI's "
+            "mpicxx first on PATH, which rebuilds Horovod against it")

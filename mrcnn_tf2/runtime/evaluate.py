@@ -21,6 +21,7 @@ from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import choose_ops
+from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function
 
 RESULTS_FILE = "eval_results.json"
@@ -39,8 +40,12 @@ class Evaluation:
     time_s: dict  # seconds spent: input (reading batches), model, pasting (masks + RLE), cocoeval
 
 
-def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None):
+def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, world=SINGLE_PROCESS):
     """Predicts over the validation images and scores the detections with COCOeval.
+
+    Under a launcher every rank calls it: each predicts and encodes its share of the images (every
+    world.size-th record, `InputPipeline.dataset`), and rank 0 gathers the detections, in the order one
+    process would give them, and scores them once.
 
     Args:
       model: a built MaskRCNN with the weights to evaluate.
@@ -48,10 +53,11 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None):
       encode_masks: the COCO RLE mask encoder the factory chose (`OpChoice.mask_encoder`).
       max_images: evaluate at most this many images (in file order); None: eval.eval_samples, and all
         images when that is None too.
-      coco_gt: the ground truth as a pycocotools COCO object; None loads eval.eval_file.
+      coco_gt: the ground truth as a pycocotools COCO object; None loads eval.eval_file. Read on rank 0 only.
+      world: the process world (runtime.distributed.World).
 
     Returns:
-      an `Evaluation`.
+      an `Evaluation` on rank 0; None on the other ranks.
 
     Raises:
       ValueError: max_images < 1, eval.eval_file unset, no validation image, or image ids that the
@@ -60,27 +66,25 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None):
     max_images = config.eval.eval_samples if max_images is None else max_images
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}.")
-    if coco_gt is None:
+    if world.is_chief and coco_gt is None:
         if not config.eval.eval_file:
             raise ValueError("eval.eval_file is not set: pass --eval_file with the validation annotation JSON.")
         coco_gt = coco_metrics.load_annotations(config.eval.eval_file)
-    category_ids = coco_gt.getCatIds()
+    category_ids = world.broadcast_object(coco_gt.getCatIds() if world.is_chief else None)
     batch_size = config.eval.eval_batch_size
-    dataset = InputPipeline(config, training=False).dataset(config.data.resolved_validation_pattern(), batch_size)
+    pattern = config.data.resolved_validation_pattern()
+    dataset = InputPipeline(config, training=False).dataset(pattern, batch_size, world.rank, world.size, max_images)
     predict = predict_function(model, config.runtime.eagerly)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
     results, image_ids, dropped = [], [], 0
     batches = iter(dataset)
-    while max_images is None or len(image_ids) < max_images:
+    while True:
         tic = time.perf_counter()
         batch = next(batches, None)
         if batch is None:
             break
-        count = int(batch["images"].shape[0])
-        if max_images is not None:
-            count = min(count, max_images - len(image_ids))
         toc = time.perf_counter()
-        outputs = predict_batch(predict, batch, batch_size, count)
+        outputs = predict_batch(predict, batch, batch_size)
         time_s["input"] += toc - tic
         time_s["model"] += time.perf_counter() - toc
         tic = time.perf_counter()
@@ -89,9 +93,13 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None):
         results += batch_results
         dropped += batch_dropped
         image_ids += outputs["source_ids"].tolist()
-    coco_metrics.warn_dropped(dropped, category_ids)
+    if world.size > 1:
+        results, image_ids, dropped = _gather(world, results, image_ids, dropped)
     if not image_ids:
-        raise ValueError(f"no validation image in {config.data.resolved_validation_pattern()}.")
+        raise ValueError(f"no validation image in {pattern}.")
+    if not world.is_chief:
+        return None
+    coco_metrics.warn_dropped(dropped, category_ids)
     tic = time.perf_counter()
     iou_types = coco_metrics.IOU_TYPES if model.mask_head is not None else ("bbox",)
     try:
@@ -101,6 +109,19 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None):
             from None
     time_s["cocoeval"] = time.perf_counter() - tic
     return Evaluation(metrics, results, len(image_ids), time_s)
+
+
+def _gather(world, results, image_ids, dropped):
+    """Every rank's (results, image_ids, dropped) merged on every rank, images in one process's order.
+
+    Rank r evaluated records r, r + size, ... of that order, so the merged image order takes them round
+    robin; a stable sort by it keeps each image's detections in their own order.
+    """
+    shares = world.allgather_object((results, image_ids, dropped))
+    order = [ids[i] for i in range(max(len(ids) for _, ids, _ in shares)) for _, ids, _ in shares if i < len(ids)]
+    position = {image_id: i for i, image_id in enumerate(order)}
+    merged = sorted((r for share, _, _ in shares for r in share), key=lambda r: position[r["image_id"]])
+    return merged, order, sum(count for _, _, count in shares)
 
 
 def targets_reached(metrics, min_bbox_map, min_mask_map):
@@ -124,33 +145,40 @@ class TrainingEvaluator:
     It evaluates after every eval.resolved_eval_every_epochs() epochs and after the last step, with
     `run_evaluation` on the live model (the code of `main.py eval`), and logs the statistics: the APs on
     the console, every statistic to the JSON-lines log (event 'eval') and to TensorBoard ('bbox/AP', ...).
-    Training stops once `targets_reached` says so.
+    Training stops once `targets_reached` says so. Under a launcher every rank has one: the ranks evaluate
+    their shares of the images, rank 0 scores and logs, and every rank gets its decision to stop.
     """
 
-    def __init__(self, config, steps_per_epoch):
+    def __init__(self, config, steps_per_epoch, world=SINGLE_PROCESS):
         self.config = config
+        self.world = world
         # The live model was built with the same choice (factory.build_model asks choose_ops too).
         self.encode_masks = choose_ops(config).mask_encoder
         every = config.eval.resolved_eval_every_epochs()
         self.interval = None if every is None else every * steps_per_epoch
         self.steps_per_epoch = steps_per_epoch
-        # Read once: evaluations reuse it.
-        self.coco_gt = coco_metrics.load_annotations(config.eval.eval_file)
+        # Read once, by rank 0 alone (the other machines need not have it): evaluations reuse it.
+        self.coco_gt = coco_metrics.load_annotations(config.eval.eval_file) if world.is_chief else None
 
     @classmethod
-    def from_config(cls, config, steps_per_epoch):
+    def from_config(cls, config, steps_per_epoch, world=SINGLE_PROCESS):
         """The evaluator of a training run, or None when the run does not evaluate (no eval.eval_file)."""
-        return cls(config, steps_per_epoch) if config.eval.eval_file else None
+        return cls(config, steps_per_epoch, world) if config.eval.eval_file else None
 
     def due(self, step, last_step):
         """Whether update `step` (1-based) ends an evaluation interval or the run."""
         return step == last_step or (self.interval is not None and step % self.interval == 0)
 
     def evaluate_if_due(self, model, step, last_step, logger):
-        """Evaluates `model` when `due`, logs the result; returns True when training should stop."""
+        """Evaluates `model` when `due`, logs the result; returns True when training should stop (on every
+        rank: rank 0's decision)."""
         if not self.due(step, last_step):
             return False
-        evaluation = run_evaluation(model, self.config, self.encode_masks, coco_gt=self.coco_gt)
+        evaluation = run_evaluation(model, self.config, self.encode_masks, coco_gt=self.coco_gt, world=self.world)
+        return self.world.broadcast_object(self.world.is_chief and self._report(evaluation, step, logger))
+
+    def _report(self, evaluation, step, logger):
+        """Logs `evaluation` of update `step`; returns whether the targets are reached."""
         metrics, seconds = evaluation.metrics, sum(evaluation.time_s.values())
         aps = {name: metrics[key] for name, key in AP_KEYS.items() if key in metrics}
         epoch = (step - 1) // self.steps_per_epoch + 1
@@ -167,31 +195,38 @@ class TrainingEvaluator:
         return True
 
 
-def _fail(message):
-    print(f"[eval] error: {message}", file=sys.stderr)
+def _fail(message, world=SINGLE_PROCESS):
+    if world.is_chief:  # every rank fails alike: the job says it once
+        print(f"[eval] error: {message}", file=sys.stderr)
     return status.BAD_INPUT
 
 
-def run(config):
-    """Entry point of `main.py eval`: evaluates the latest checkpoint of runtime.model_dir; returns the exit status."""
+def run(config, world=SINGLE_PROCESS):
+    """Entry point of `main.py eval`: evaluates the latest checkpoint of runtime.model_dir; returns the exit status.
+
+    Under a launcher each rank evaluates its share of the images (`run_evaluation`); every rank reads the
+    checkpoint, rank 0 alone reads eval_file's annotations, prints and writes the results.
+    """
     model_dir = config.runtime.model_dir
     eval_file = config.eval.eval_file
     if not eval_file:
-        return _fail("--eval_file is required: the COCO annotation JSON of the validation images.")
-    if not os.path.isfile(eval_file):
-        return _fail(f"--eval_file {eval_file} does not exist.")
+        return _fail("--eval_file is required: the COCO annotation JSON of the validation images.", world)
+    if world.is_chief and not os.path.isfile(eval_file):
+        return _fail(f"--eval_file {eval_file} does not exist.", world)
     total = time.perf_counter()
     try:
-        loaded = load_model(config)
+        loaded = load_model(config, announce=world.is_chief)
     except ValueError as err:
-        return _fail(str(err))
-    coco_gt = coco_metrics.load_annotations(eval_file)
+        return _fail(str(err), world)
+    coco_gt = coco_metrics.load_annotations(eval_file) if world.is_chief else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a dropped-detections warning must show on every run
-            evaluation = run_evaluation(loaded.model, config, loaded.ops.mask_encoder, coco_gt=coco_gt)
+            evaluation = run_evaluation(loaded.model, config, loaded.ops.mask_encoder, coco_gt=coco_gt, world=world)
     except ValueError as err:
-        return _fail(str(err))
+        return _fail(str(err), world)
+    if not world.is_chief:
+        return status.OK
     time_s = {**evaluation.time_s, "total": time.perf_counter() - total}
     print(coco_metrics.format_table(evaluation.metrics))
     model_s = evaluation.time_s["model"]

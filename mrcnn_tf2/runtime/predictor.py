@@ -84,12 +84,13 @@ class LoadedModel:
     ops: OpChoice  # the ops it was built with; `ops.mask_encoder` encodes its masks as COCO RLE
 
 
-def load_model(config, require_checkpoint=True, export=False):
+def load_model(config, require_checkpoint=True, export=False, announce=True):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
     Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
     trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
-    Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`).
+    Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`)
+    when `announce` (False on the ranks other than 0 of a job).
 
     Args:
       config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
@@ -110,8 +111,9 @@ def load_model(config, require_checkpoint=True, export=False):
     policy = set_precision(config.runtime.amp, config.runtime.amp_dtype)
     model = build_model(config, export=export)
     ops = choose_ops(config, export=export)
-    print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
-    print(f"[model] {ops.describe()}", flush=True)
+    if announce:
+        print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
+        print(f"[model] {ops.describe()}", flush=True)
     height, width = config.data.image_size
     batch_size = config.eval.eval_batch_size
     # A blank batch shaped like the evaluation batches builds the variables through the same trace that

@@ -33,7 +33,7 @@ from mrcnn_tf2.model.pretrained import check_backbone_metadata
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
                                            find_checkpoint)
-from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS, init_world
+from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
@@ -265,7 +265,7 @@ class Trainer:
 
     def run(self):
         """Trains to epochs * steps_per_epoch updates (or benchmarks); returns the process exit status."""
-        config, runtime = self.config, self.config.runtime
+        runtime = self.config.runtime
         if self.world.is_chief:
             log_file = runtime.log_file or os.path.join(runtime.model_dir, "log.jsonl")
             logger = RunLogger(log_file, runtime.log_tensorboard)
@@ -306,13 +306,10 @@ class Trainer:
                 else self.total_steps)
         update = self.update_function()
         self._log_graph(update, [first] * accumulate, logger)
-        # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP.
-        # Under Horovod rank 0 evaluates alone; the others wait for it in the next update's allreduce, or,
-        # where the run can stop early, in the broadcast of rank 0's decision at each epoch end.
-        evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch)
-                     if self.world.is_chief and not runtime.benchmark else None)
-        may_stop = (self.world.size > 1 and not runtime.benchmark and config.eval.eval_file is not None
-                    and (config.eval.min_bbox_map is not None or config.eval.min_mask_map is not None))
+        # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP. Under
+        # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop.
+        evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
+                     if not runtime.benchmark else None)
         batches = iter(self.dataset(start))
         step_times, window = [], []
         timer_start = None
@@ -343,8 +340,6 @@ class Trainer:
                 stop = evaluator.evaluate_if_due(self.model, step, last, logger)
                 if timer_start is not None:
                     timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
-            if may_stop and (epoch_end or step == last):  # evaluations fall on epoch ends
-                stop = self.world.broadcast_object(stop)
             if stop:
                 break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
@@ -427,6 +422,6 @@ class Trainer:
         logger.metrics(step, means, "[train] " + "  ".join(parts))
 
 
-def run(config):
-    """Entry point of `main.py train`."""
-    return Trainer(config, init_world()).run()
+def run(config, world=SINGLE_PROCESS):
+    """Entry point of `main.py train`, in the process `world` (runtime.distributed.World)."""
+    return Trainer(config, world).run()
