@@ -428,5 +428,28 @@ class Trainer:
 
 
 def run(config):
-    """Entry point of `main.py train`."""
-    return Trainer(config, init_world()).run()
+    """Entry point of `main.py train`: trains while rank 0 holds <model_dir>/train.lock (runtime.model_dir_lock).
+
+    Raises ModelDirLocked (a ConfigError: status 2) on rank 0 when another trainer holds the lock; the other
+    ranks then return status 2 silently.
+    """
+    from mrcnn_tf2.runtime import model_dir_lock
+
+    world = init_world()
+    lock = refusal = None
+    if world.is_chief:  # only rank 0 writes model_dir
+        try:
+            lock = model_dir_lock.acquire(config.runtime.model_dir, config.runtime.break_lock)
+        except model_dir_lock.ModelDirLocked as err:
+            refusal = err
+    try:
+        # Every rank stops when rank 0 could not take the lock: rank 0 with the one line, the others silently.
+        refused = world.broadcast_object(None if refusal is None else str(refusal))
+        if refusal is not None:
+            raise refusal
+        if refused is not None:
+            return status.BAD_INPUT
+        return Trainer(config, world).run()
+    finally:
+        if lock is not None:
+            lock.release()
