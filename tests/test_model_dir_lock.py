@@ -206,6 +206,25 @@ def test_on_a_file_system_without_hard_links_the_lock_is_created_exclusively(tmp
     assert os.listdir(tmp_path) == []
 
 
+def test_a_taker_leaves_alone_the_lock_another_took_over_after_it_judged_the_stale_one(tmp_path, sleeper,
+                                                                                        monkeypatch):
+    write_lock(tmp_path, sleeper.pid, start_ticks=0)  # a reused pid: stale
+    judge, calls = model_dir_lock._judge_or_refuse, []
+
+    def judge_then_the_other_takes_over(*args):
+        calls.append(args)
+        notice = judge(*args)
+        if len(calls) == 1:  # this trainer has judged the stale lock: the other takes it over now
+            acquire(str(tmp_path), argv=["the other trainer"])
+        return notice
+
+    monkeypatch.setattr(model_dir_lock, "_judge_or_refuse", judge_then_the_other_takes_over)
+    # The other trainer runs in this process: its lock names a live pid of this host.
+    with pytest.raises(ModelDirLocked, match=f"pid {os.getpid()} on this host .*the other trainer"):
+        acquire(str(tmp_path), argv=["this trainer"])
+    assert lock_record(tmp_path)["command"] == ["the other trainer"] and os.listdir(tmp_path) == [LOCK_FILE]
+
+
 TAKER = """
 import sys, time
 from mrcnn_tf2.runtime import model_dir_lock
