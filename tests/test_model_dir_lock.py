@@ -115,7 +115,7 @@ def test_the_lock_of_a_holder_that_died_is_taken_over(tmp_path, sleeper, capsys)
 @pytest.mark.parametrize("fields, why", [
     (lambda pid: dict(start_ticks=model_dir_lock.start_ticks(pid) - 1), "its pid now belongs to a newer process"),
     (lambda pid: dict(boot_id="00000000-0000-0000-0000-000000000000"), "this host has restarted since"),
-])
+], ids=["reused pid", "restarted host"])
 def test_a_reused_pid_or_a_restarted_host_is_stale(tmp_path, sleeper, capsys, fields, why):
     write_lock(tmp_path, sleeper.pid, **fields(sleeper.pid))  # the sleeper runs, but is not the holder
     with hold(str(tmp_path)):
