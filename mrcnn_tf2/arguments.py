@@ -134,6 +134,12 @@ _FLAGS = {
         dict(action="store_true", help="measure img/s over benchmark_steps after the warm-up steps, then stop"),
     ),
     "benchmark_steps": ("runtime.benchmark_steps", dict(type=int, help="steps measured in benchmark mode")),
+    "break_lock": (
+        "runtime.break_lock",
+        dict(action="store_true",
+             help="train: take over <model_dir>/train.lock when it names a trainer on another host that is no "
+                  "longer running, or is not a lock; a live trainer of this host is never overridden"),
+    ),
     "eval_every_epochs": (
         "eval.eval_every_epochs",
         dict(type=int, help="in training with --eval_file, evaluate every N epochs (None: after the last step "

@@ -333,6 +333,9 @@ class RuntimeConfig:
     # Measure throughput for benchmark_steps steps after log_warmup_steps, then stop.
     benchmark: bool = False
     benchmark_steps: int = 100
+    # Train even though <model_dir>/train.lock names a trainer on another host (which this one cannot see
+    # running), or is not a lock; never breaks the lock of a live trainer of this host (runtime.model_dir_lock).
+    break_lock: bool = False
 
 
 @dataclass
@@ -514,6 +517,7 @@ MODEL_DEFINING_KEYS = (
 PER_COMMAND_KEYS = (
     "runtime.model_dir", "runtime.benchmark", "runtime.benchmark_steps", "runtime.log_warmup_steps",
     "runtime.log_file", "runtime.eagerly", "runtime.verbose", "runtime.log_graph", "data.use_synthetic_data",
+    "runtime.break_lock",
 )
 PER_COMMAND_SECTIONS = ("infer.", "export.")
 

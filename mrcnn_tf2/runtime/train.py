@@ -30,6 +30,7 @@ from mrcnn_tf2 import status
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata
+from mrcnn_tf2.runtime import model_dir_lock
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
                                            find_checkpoint)
@@ -423,5 +424,26 @@ class Trainer:
 
 
 def run(config, world=SINGLE_PROCESS):
-    """Entry point of `main.py train`, in the process `world` (runtime.distributed.World)."""
-    return Trainer(config, world).run()
+    """Entry point of `main.py train`, in the process `world` (runtime.distributed.World): trains while rank 0
+    holds <model_dir>/train.lock (runtime.model_dir_lock).
+
+    Raises ModelDirLocked (a ConfigError: status 2) on rank 0 when another trainer holds the lock; the other
+    ranks then return status 2 silently.
+    """
+    lock = refusal = None
+    if world.is_chief:  # only rank 0 writes model_dir
+        try:
+            lock = model_dir_lock.acquire(config.runtime.model_dir, config.runtime.break_lock)
+        except model_dir_lock.ModelDirLocked as err:
+            refusal = err
+    try:
+        # Every rank stops when rank 0 could not take the lock: rank 0 with the one line, the others silently.
+        refused = world.broadcast_object(None if refusal is None else str(refusal))
+        if refusal is not None:
+            raise refusal
+        if refused is not None:
+            return status.BAD_INPUT
+        return Trainer(config, world).run()
+    finally:
+        if lock is not None:
+            lock.release()
