@@ -44,9 +44,27 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$VENV/bin/mrcnn-tf2" 
 fi
 # Fused C++ ops (ops/build/libmrcnn_ops.so); ops/build.sh keeps its own stamp of sources + TF version.
 bash ops/build.sh "$VENV/bin/python"
-# Horovod from its sdist with the project's patch (horovodrun --gloo; MPI too when mpicxx is present).
-# SETUP_HOROVOD=0 skips it: single-process work (the demo) does not need it and saves its ~3 min build.
+# Horovod from its sdist with the project's patch: Gloo (horovodrun --gloo) and, where Open MPI is installed,
+# MPI (mpirun, horovodrun --mpi). Open MPI comes from Debian's packages (openmpi-bin, libopenmpi-dev) where the
+# set-up may install system packages (root, or sudo without a password); elsewhere it says what to install and
+# Horovod is built with Gloo only.
+# SETUP_HOROVOD=0 skips both: single-process work (the demo) does not need them and saves the ~3 min build.
 if [ "${SETUP_HOROVOD:-1}" != 0 ]; then
+  if ! command -v mpicxx >/dev/null; then
+    sudo=()
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo=(sudo -n); fi
+    if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ ${#sudo[@]} -gt 0 ]; }; then
+      echo "[setup] installing Open MPI (openmpi-bin, libopenmpi-dev) for mpirun"
+      install=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev)
+      # The package lists may be missing (a fresh container): fetch them, then try once more.
+      "${install[@]}" >/dev/null 2>&1 || { "${sudo[@]}" apt-get update -q >/dev/null && "${install[@]}" >/dev/null; }
+    else
+      echo "[setup] Open MPI is not installed, and this set-up cannot install system packages (it needs root," \
+           "or sudo without a password, and apt-get): Horovod is built with Gloo only, so horovodrun --gloo" \
+           "works and mpirun does not. For mpirun: sudo apt-get install openmpi-bin libopenmpi-dev (or your" \
+           "system's Open MPI with its mpicxx), then rerun make setup." >&2
+    fi
+  fi
   bash scripts/build_horovod.sh "$VENV/bin/python"
 fi
 # The test-only dependencies (requirements-test.txt: torch and torchvision, about 5.5 GB with their CUDA

@@ -22,8 +22,7 @@ import tensorflow as tf
 
 from mrcnn_tf2 import cli
 from mrcnn_tf2.runtime import distributed
-from tests.support import (ROOT, SMALL_FLAGS, combined_batch, main_py, read_log, run_main, sync_config,
-                           trainer_for)
+from tests.support import ROOT, SMALL_FLAGS, combined_batch, main_py, read_log, run_main, sync_config, trainer_for
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 # A job whose rank died must be over within this many seconds of the death.

@@ -321,14 +321,14 @@ def config_of(model_dir):
     return parse(["train", "--model_dir", str(model_dir)])[1]
 
 
-def test_rank_0_trains_holding_the_lock_and_releases_it(tmp_path, train_runtime, monkeypatch):
+def test_rank_0_trains_holding_the_lock_and_releases_it(tmp_path, train_runtime):
     world = FakeWorld(rank=0)
     assert train_runtime.run(config_of(tmp_path), world) == status.OK
     assert train_runtime.Trainer.runs == [True] and world.sent == [None]
     assert not (tmp_path / LOCK_FILE).exists()
 
 
-def test_rank_0_refused_raises_and_tells_the_other_ranks(tmp_path, train_runtime, monkeypatch, sleeper):
+def test_rank_0_refused_raises_and_tells_the_other_ranks(tmp_path, train_runtime, sleeper):
     data = write_lock(tmp_path, sleeper.pid)
     world = FakeWorld(rank=0)
     with pytest.raises(ModelDirLocked, match=f"pid {sleeper.pid}"):

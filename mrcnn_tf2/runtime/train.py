@@ -15,6 +15,7 @@ With --eval_file the run also evaluates COCO AP on the validation set (`evaluate
 what it logs, and the early stop at --min_bbox_map / --min_mask_map).
 """
 
+import contextlib
 import copy
 import glob
 import math
@@ -39,7 +40,6 @@ from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
-
 
 # The dynamic loss scale's start (Keras's default): high, since an overflow halves it at once while growing
 # takes 2000 finite steps per doubling.
@@ -430,13 +430,13 @@ def run(config, world=SINGLE_PROCESS):
     Raises ModelDirLocked (a ConfigError: status 2) on rank 0 when another trainer holds the lock; the other
     ranks then return status 2 silently.
     """
-    lock = refusal = None
-    if world.is_chief:  # only rank 0 writes model_dir
-        try:
-            lock = model_dir_lock.acquire(config.runtime.model_dir, config.runtime.break_lock)
-        except model_dir_lock.ModelDirLocked as err:
-            refusal = err
-    try:
+    with contextlib.ExitStack() as held:
+        refusal = None
+        if world.is_chief:  # only rank 0 writes model_dir
+            try:
+                held.enter_context(model_dir_lock.hold(config.runtime.model_dir, config.runtime.break_lock))
+            except model_dir_lock.ModelDirLocked as err:
+                refusal = err
         # Every rank stops when rank 0 could not take the lock: rank 0 with the one line, the others silently.
         refused = world.broadcast_object(None if refusal is None else str(refusal))
         if refusal is not None:
@@ -444,6 +444,3 @@ def run(config, world=SINGLE_PROCESS):
         if refused is not None:
             return status.BAD_INPUT
         return Trainer(config, world).run()
-    finally:
-        if lock is not None:
-            lock.release()
