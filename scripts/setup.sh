@@ -57,7 +57,10 @@ if [ "${SETUP_HOROVOD:-1}" != 0 ]; then
       echo "[setup] installing Open MPI (openmpi-bin, libopenmpi-dev) for mpirun"
       install=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev)
       # The package lists may be missing (a fresh container): fetch them, then try once more.
-      "${install[@]}" >/dev/null 2>&1 || { "${sudo[@]}" apt-get update -q >/dev/null && "${install[@]}" >/dev/null; }
+      if ! "${install[@]}" >/dev/null 2>&1 \
+          && ! { "${sudo[@]}" apt-get update -q >/dev/null && "${install[@]}" >/dev/null; }; then
+        echo "[setup] could not install Open MPI with apt-get (above): Horovod is built with Gloo only" >&2
+      fi
     else
       echo "[setup] Open MPI is not installed, and this set-up cannot install system packages (it needs root," \
            "or sudo without a password, and apt-get): Horovod is built with Gloo only, so horovodrun --gloo" \
