@@ -24,7 +24,7 @@ from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.runtime import export, infer
-from mrcnn_tf2.runtime.predictor import load_model, predict_function
+from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
 from tests.support import SMALL_FLAGS
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
@@ -298,8 +298,8 @@ def in_process(model_dir, photo):
     """In-process inference (as `main.py infer` runs it) on `photo`, with the pure-TF ops the export uses."""
     config = config_for("infer", "--model_dir", model_dir, "--custom_ops", "off")
     predict = predict_function(load_model(config).model)
-    return infer.detect(predict, [infer.Photo(1, "photo", photo)], Preprocessor(config.data),
-                        config.eval.eval_batch_size)
+    ((_, batch),) = infer.photo_batches([infer.Photo(1, "photo", photo)], Preprocessor(config.data), 1)
+    return predict_batch(predict, batch, config.eval.eval_batch_size)
 
 
 OUTPUT_KEYS = ("detection_boxes", "detection_scores", "detection_classes", "detection_masks", "num_detections",
@@ -360,3 +360,48 @@ def test_export_without_a_checkpoint_exits_2_and_writes_nothing(tmp_path, capsys
     status = export.run(config_for("export", "--model_dir", str(tmp_path / "untrained")))
     assert status == 2 and "no checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "untrained").exists()
+
+
+# -- batches padded to their own size (data.pad_to_multiple, the torchvision presets) ------------------------
+
+# Shorter side 96, longer at most 128, batches padded to a multiple of 32: photos of other shapes pad differently.
+OWN_SIZE_FLAGS = ["--config_override", "data.pad_to_multiple=32", "--config_override", "data.resize_min_size=96",
+                  "--config_override", "data.resize_max_size=128"]
+
+
+@pytest.fixture(scope="module")
+def mixed_photos(photo, tmp_path_factory):
+    """A folder of PNGs of three padded shapes: landscape, portrait (turned) and square, then landscape again."""
+    folder = tmp_path_factory.mktemp("mixed_photos")
+    height, width = photo.shape[:2]
+    wide = np.asarray(Image.fromarray(photo).resize((150, 100)))
+    shapes = [wide, np.rot90(wide).copy(), photo[:min(height, width), :min(height, width)], wide[:, ::-1].copy()]
+    for i, image in enumerate(shapes):
+        Image.fromarray(image).save(folder / f"photo_{i}.png")
+    return str(folder)
+
+
+def test_same_shape_batches_group_by_shape_keep_order_and_bound_what_waits():
+    items = ["a1", "b1", "a2", "c1", "b2", "a3", "c2"]
+    shape = lambda item: item[0]  # noqa: E731
+    assert list(same_shape_batches(items, 2, shape, held=4)) == [["a1", "a2"], ["b1", "b2"], ["c1", "c2"], ["a3"]]
+    # At most held x batch_size wait: then the largest group leaves, partial.
+    assert list(same_shape_batches(["a1", "b1", "c1", "a2", "b2"], 4, shape, held=1)) == [["a1", "a2"], ["b1", "b2"],
+                                                                                          ["c1"]]
+    assert list(same_shape_batches(["a1", "a2", "a3"], 2, shape)) == [["a1", "a2"], ["a3"]]  # one shape: in order
+
+
+def test_with_batches_padded_to_their_own_size_a_photos_detections_do_not_depend_on_its_batch_mates(
+        tmp_path, model_dir, mixed_photos):
+    predictions = {}
+    for batch_size in (4, 1):
+        output_dir = tmp_path / f"batch{batch_size}"
+        assert main.main(["infer", *SMALL_FLAGS, *OWN_SIZE_FLAGS, "--model_dir", model_dir, "--input", mixed_photos,
+                          "--eval_batch_size", str(batch_size), "--output_dir", str(output_dir)]) == 0
+        predictions[batch_size] = json.loads((output_dir / infer.PREDICTIONS_FILE).read_text())
+    together, alone = predictions[4], predictions[1]
+    assert [r["image_id"] for r in together] == [r["image_id"] for r in alone]
+    assert {r["image_id"] for r in alone} == {1, 2, 3, 4} and len(alone) == 4 * 10  # the full quota each
+    for mine, theirs in zip(together, alone):
+        assert mine["category_id"] == theirs["category_id"]
+        np.testing.assert_allclose(mine["bbox"] + [mine["score"]], theirs["bbox"] + [theirs["score"]], atol=1e-4)

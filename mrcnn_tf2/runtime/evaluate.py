@@ -5,7 +5,9 @@ eval.eval_samples validation images in batches of eval.eval_batch_size, turns th
 results (boxes [x, y, w, h] and RLE masks in original-image pixels, see `mrcnn_tf2.evaluation.coco_metrics`),
 scores them with COCOeval against eval.eval_file, prints the table, and writes two files to model_dir,
 each atomically (`mrcnn_tf2.files`): eval_results.json (metrics, checkpoint, step, image count, time
-breakdown) and detections.json (the COCO results).
+breakdown) and detections.json (the COCO results, in image id order). With data.pad_to_multiple (the
+torchvision presets) a batch holds only images of one padded shape, so an image's detections are those it
+gets alone, as in torchvision's evaluation of one image per batch.
 
 Training evaluates its live model with the same `run_evaluation` through `TrainingEvaluator`. The model is
 restored and run by `mrcnn_tf2.runtime.predictor`, as `main.py infer` and `main.py export` do.
@@ -22,7 +24,7 @@ from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import choose_ops
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
-from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function
+from mrcnn_tf2.runtime.predictor import concat_batches, load_model, predict_batch, predict_function, same_shape_batches
 
 RESULTS_FILE = "eval_results.json"
 DETECTIONS_FILE = "detections.json"
@@ -44,8 +46,7 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
     """Predicts over the validation images and scores the detections with COCOeval.
 
     Under a launcher every rank calls it: each predicts and encodes its share of the images (every
-    world.size-th record, `InputPipeline.dataset`), and rank 0 gathers the detections, in the order one
-    process would give them, and scores them once.
+    world.size-th record, `InputPipeline.dataset`), and rank 0 gathers the detections and scores them once.
 
     Args:
       model: a built MaskRCNN with the weights to evaluate.
@@ -57,7 +58,7 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
       world: the process world (runtime.distributed.World).
 
     Returns:
-      an `Evaluation` on rank 0; None on the other ranks.
+      an `Evaluation` on rank 0 (its results sorted by image id); None on the other ranks.
 
     Raises:
       ValueError: max_images < 1, eval.eval_file unset, no validation image, or image ids that the
@@ -73,11 +74,17 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
     category_ids = world.broadcast_object(coco_gt.getCatIds() if world.is_chief else None)
     batch_size = config.eval.eval_batch_size
     pattern = config.data.resolved_validation_pattern()
-    dataset = InputPipeline(config, training=False).dataset(pattern, batch_size, world.rank, world.size, max_images)
+    own_size = config.data.pad_to_multiple is not None
+    # Batches padded to their own size hold images of one padded shape (`same_shape_batches`): read one image
+    # at a time, each padded to its own multiple, and batch them here.
+    dataset = InputPipeline(config, training=False).dataset(pattern, 1 if own_size else batch_size, world.rank,
+                                                            world.size, max_images)
     predict = predict_function(model, config.runtime.eagerly)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
     results, image_ids, dropped = [], [], 0
     batches = iter(dataset)
+    if own_size:
+        batches = map(concat_batches, same_shape_batches(batches, batch_size, lambda b: tuple(b["images"].shape)))
     while True:
         tic = time.perf_counter()
         batch = next(batches, None)
@@ -94,11 +101,16 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
         dropped += batch_dropped
         image_ids += outputs["source_ids"].tolist()
     if world.size > 1:
-        results, image_ids, dropped = _gather(world, results, image_ids, dropped)
+        shares = world.allgather_object((results, image_ids, dropped))
+        results, image_ids, dropped = ([r for share in shares for r in share[0]],
+                                       [i for share in shares for i in share[1]], sum(share[2] for share in shares))
     if not image_ids:
         raise ValueError(f"no validation image in {pattern}.")
     if not world.is_chief:
         return None
+    # In image id order, each image's detections in their own order: the same list however many processes
+    # evaluated and however the images were batched.
+    results.sort(key=lambda result: result["image_id"])
     coco_metrics.warn_dropped(dropped, category_ids)
     tic = time.perf_counter()
     iou_types = coco_metrics.IOU_TYPES if model.mask_head is not None else ("bbox",)
@@ -109,19 +121,6 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
             from None
     time_s["cocoeval"] = time.perf_counter() - tic
     return Evaluation(metrics, results, len(image_ids), time_s)
-
-
-def _gather(world, results, image_ids, dropped):
-    """Every rank's (results, image_ids, dropped) merged on every rank, images in one process's order.
-
-    Rank r evaluated records r, r + size, ... of that order, so the merged image order takes them round
-    robin; a stable sort by it keeps each image's detections in their own order.
-    """
-    shares = world.allgather_object((results, image_ids, dropped))
-    order = [ids[i] for i in range(max(len(ids) for _, ids, _ in shares)) for _, ids, _ in shares if i < len(ids)]
-    position = {image_id: i for i, image_id in enumerate(order)}
-    merged = sorted((r for share, _, _ in shares for r in share), key=lambda r: position[r["image_id"]])
-    return merged, order, sum(count for _, _, count in shares)
 
 
 def targets_reached(metrics, min_bbox_map, min_mask_map):

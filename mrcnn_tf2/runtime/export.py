@@ -3,7 +3,9 @@
 Signatures (a batch of B images per call, any B >= 1):
   serving_default(images: uint8 [B, H, W, 3])   RGB images of any one size H x W per call
   serving_bytes(image_bytes: string [B])        encoded JPEG / PNG / BMP / GIF (first frame), any sizes;
-                                                grayscale becomes RGB, alpha is dropped, EXIF is ignored
+                                                grayscale becomes RGB, alpha is dropped, EXIF is ignored;
+                                                with data.pad_to_multiple each image is run alone, padded
+                                                to its own size, so its detections do not depend on the others
 Each image is resized, normalised and padded to data.image_size by `mrcnn_tf2.data.preprocess`, as the
 input pipeline and `main.py infer` do, so the outputs equal `main.py infer`'s on the same pixels:
   detection_boxes   [B, D, 4] float32 [ymin, xmin, ymax, xmax] in pixels of the original image
@@ -42,6 +44,12 @@ class ServingModule(tf.Module):
         self.model_variables = [variable.value for variable in model.variables]
         self._detect_batch = model.detect  # a bound method: not tracked
         self.preprocessor = preprocessor
+        if preprocessor.pad_to_multiple is not None:
+            # What `_detect` gives for one image, without its batch axis: the signature of `_detect_each`.
+            one = tf.function(self._detect).get_concrete_function(
+                tf.TensorSpec([1, *preprocessor.image_size, 3], tf.float32), tf.TensorSpec([1, 5], tf.float32))
+            self._one_image = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype),
+                                                    one.structured_outputs)
 
     def _preprocess(self, image):
         """[h, w, 3] uint8 -> ([H, W, 3] float32 normalised and padded to the canvas, [5] float32 image_info);
@@ -53,6 +61,14 @@ class ServingModule(tf.Module):
         images = self.preprocessor.pad_batch(images, image_info)
         detections = self._detect_batch({"images": images, "image_info": image_info})
         return {**detections, "image_info": image_info}
+
+    def _detect_each(self, images, image_info):
+        """`_detect` of each image alone, padded to its own size, stacked: images of different sizes get the
+        detections they get alone (with data.pad_to_multiple, a batch is otherwise padded to its largest)."""
+        if self.preprocessor.pad_to_multiple is None:
+            return self._detect(images, image_info)  # the canvas: every image padded alike
+        return tf.map_fn(lambda pair: tf.nest.map_structure(lambda t: t[0], self._detect(pair[0][None], pair[1][None])),
+                         (images, image_info), fn_output_signature=self._one_image)
 
     def _preprocess_each(self, function, inputs):
         """`function` (-> `_preprocess`'s pair) on each of the B `inputs`: ([B, H, W, 3], [B, 5]) float32."""
@@ -72,7 +88,7 @@ class ServingModule(tf.Module):
         def decode_and_preprocess(encoded):
             return self._preprocess(self.preprocessor.decode(encoded))
 
-        return self._detect(*self._preprocess_each(decode_and_preprocess, image_bytes))
+        return self._detect_each(*self._preprocess_each(decode_and_preprocess, image_bytes))
 
 
 def export_saved_model(model, preprocessor, export_dir):

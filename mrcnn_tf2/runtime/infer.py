@@ -7,7 +7,8 @@ matches), in sorted order with ids 1, 2, ... (an unreadable file's id stays unus
 with PIL, turned upright by their EXIF orientation, grayscale made RGB, and transparency composited over
 the ImageNet mean colour (which the normalisation maps to 0, like the padding); then every image is
 resized, normalised and padded by `mrcnn_tf2.data.preprocess`, as the input pipeline does. A file that
-cannot be read is reported on stderr by name and skipped.
+cannot be read is reported on stderr by name and skipped. With data.pad_to_multiple (the torchvision
+presets) a batch holds only images of one padded shape, so an image's detections are those it gets alone.
 
 Outputs in infer.output_dir (default <model_dir>/inference), each written atomically (`mrcnn_tf2.files`);
 predictions.json is written last, so that its presence means a complete run:
@@ -41,12 +42,19 @@ from PIL import Image, ImageOps
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import InputPipeline
-from mrcnn_tf2.data.preprocess import Preprocessor, pad
+from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.evaluation.visualize import draw_detections
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime.benchmark import report_benchmark
-from mrcnn_tf2.runtime.predictor import load_model, pad_batch, predict_batch, predict_function
+from mrcnn_tf2.runtime.predictor import (
+    concat_batches,
+    load_model,
+    pad_batch,
+    predict_batch,
+    predict_function,
+    same_shape_batches,
+)
 
 PREDICTIONS_FILE = "predictions.json"
 IMAGES_FILE = "images.json"
@@ -117,48 +125,35 @@ def photos_from_records(file_pattern, max_images=None):
         yield Photo(image_id, str(image_id), example["image"].numpy())
 
 
-def preprocess(photos, preprocessor):
-    """A model input batch of `photos`, resized, normalised and padded as the input pipeline does.
+def preprocess(photo, preprocessor):
+    """The model input of one photo, resized, normalised and padded as the input pipeline does (to the canvas,
+    or to its own size rounded up to data.pad_to_multiple).
 
     Args:
-      photos: list of b Photos; preprocessor: the run's `preprocess.Preprocessor`.
+      photo: a Photo; preprocessor: the run's `preprocess.Preprocessor`.
 
     Returns:
-      dict with images [b, H, W, 3] float32, image_info [b, 5] float32, source_ids [b] int64.
+      dict with images [1, H, W, 3] float32, image_info [1, 5] float32, source_ids [1] int64.
     """
-    images, infos = zip(*(preprocessor.example(tf.constant(photo.image))[:2] for photo in photos))
-    largest = [max(image.shape[i] for image in images) for i in (0, 1)]
-    images = tf.stack([pad(image, largest) for image in images])
-    infos = tf.stack(infos)
-    return {"images": preprocessor.pad_batch(images, infos), "image_info": infos,
-            "source_ids": tf.constant([photo.image_id for photo in photos], tf.int64)}
+    image, image_info = preprocessor.example(tf.constant(photo.image))[:2]
+    return {"images": preprocessor.pad_batch(image[None], image_info[None]), "image_info": image_info[None],
+            "source_ids": tf.constant([photo.image_id], tf.int64)}
 
 
-def detect(predict, photos, preprocessor, batch_size):
-    """Detections of up to `batch_size` photos, as NumPy arrays (the predict_step outputs of MaskRCNN).
+def photo_batches(photos, preprocessor, batch_size):
+    """Yields (photos, model input batch) of up to `batch_size` of `photos` that share a padded shape
+    (`predictor.same_shape_batches`): each photo's detections are those it gets alone. On the canvas that is
+    every photo, batched in order.
 
     Args:
-      predict: `predictor.predict_function` of the model.
-      photos: list of b <= batch_size Photos (padded to batch_size for the model: one trace).
-      preprocessor: the run's `preprocess.Preprocessor`.
+      photos: iterable of Photos; preprocessor: the run's `preprocess.Preprocessor`.
 
-    Returns:
-      dict of [b, ...] arrays: detection_boxes [b, D, 4] in original-image pixels, detection_scores,
-      detection_classes, detection_masks [b, D, R, R], num_detections, image_info, source_ids.
+    Yields:
+      (list of b <= batch_size Photos, dict with images [b, H, W, 3], image_info [b, 5], source_ids [b]).
     """
-    return predict_batch(predict, preprocess(photos, preprocessor), batch_size)
-
-
-def batched(items, batch_size):
-    """Lists of up to `batch_size` consecutive items of the iterable `items`."""
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    inputs = ((photo, preprocess(photo, preprocessor)) for photo in photos)
+    for group in same_shape_batches(inputs, batch_size, lambda pair: tuple(pair[1]["images"].shape)):
+        yield [photo for photo, _ in group], concat_batches([batch for _, batch in group])
 
 
 # -- class names --------------------------------------------------------------------------------------------
@@ -260,8 +255,8 @@ def run(config):
     encode_masks = loaded.ops.mask_encoder
     results, images, dropped = [], [], 0
     started = time.perf_counter()
-    for chunk in batched(photos, batch_size):
-        outputs = detect(predict, chunk, preprocessor, batch_size)
+    for chunk, batch in photo_batches(photos, preprocessor, batch_size):
+        outputs = predict_batch(predict, batch, batch_size)
         chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, encode_masks)
         results += chunk_results
         dropped += chunk_dropped
@@ -279,6 +274,9 @@ def run(config):
     coco_metrics.warn_dropped(dropped, names)
     if not images:
         return _fail("no image could be read: nothing was written")
+    # In image id order (batches of one padded shape come in another order), each image's detections in theirs.
+    images.sort(key=lambda image: image["id"])
+    results.sort(key=lambda result: result["image_id"])
     files.write_json(os.path.join(output_dir, IMAGES_FILE), images)
     files.write_json(os.path.join(output_dir, PREDICTIONS_FILE), results)
     failed = len(paths) - len(images) if paths else 0

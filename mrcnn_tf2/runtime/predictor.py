@@ -73,6 +73,33 @@ def predict_batch(predict, batch, batch_size, count=None):
     return {key: value.numpy()[:count] for key, value in outputs.items()}
 
 
+def same_shape_batches(items, batch_size, shape, held=4):
+    """Lists of up to `batch_size` items of `items` with equal `shape(item)`, for batches padded to their own
+    size (data.pad_to_multiple): a batch of images of one padded shape pads none of them further, so each
+    image's detections are those it gets alone, whatever its batch-mates.
+
+    A group goes out when it is full; when `held` x batch_size items wait, the largest group goes out
+    partial (memory stays bounded however many shapes come); the rest go out at the end. Items of a shape
+    keep their order; with one shape this is consecutive batching.
+    """
+    groups, waiting = {}, 0
+    for item in items:
+        group = groups.setdefault(shape(item), [])
+        group.append(item)
+        waiting += 1
+        if len(group) == batch_size or waiting >= held * batch_size:
+            key = shape(item) if len(group) == batch_size else max(groups, key=lambda k: len(groups[k]))
+            out = groups.pop(key)
+            waiting -= len(out)
+            yield out
+    yield from groups.values()
+
+
+def concat_batches(batches):
+    """One batch dict of the batch dicts `batches` (tensors of equal shapes but the first), concatenated."""
+    return {key: tf.concat([batch[key] for batch in batches], axis=0) for key in batches[0]}
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """A model restored for evaluation, inference or export."""
