@@ -405,3 +405,16 @@ def test_with_batches_padded_to_their_own_size_a_photos_detections_do_not_depend
     for mine, theirs in zip(together, alone):
         assert mine["category_id"] == theirs["category_id"]
         np.testing.assert_allclose(mine["bbox"] + [mine["score"]], theirs["bbox"] + [theirs["score"]], atol=1e-4)
+
+
+@pytest.mark.timeout(300)  # exports and loads a SavedModel
+def test_serving_bytes_runs_each_image_alone_when_batches_pad_to_their_own_size(tmp_path, model_dir, mixed_photos):
+    export_dir = str(tmp_path / "saved_model")
+    assert export.run(config_for("export", *OWN_SIZE_FLAGS, "--model_dir", model_dir, "--export_dir", export_dir)) == 0
+    serve = tf.saved_model.load(export_dir).signatures["serving_bytes"]
+    encoded = [open(os.path.join(mixed_photos, f"photo_{i}.png"), "rb").read() for i in range(3)]
+    together = serve(image_bytes=tf.constant(encoded))
+    for i, image in enumerate(encoded):
+        alone = serve(image_bytes=tf.constant([image]))
+        assert_same_detections({key: together[key].numpy()[i:i + 1] for key in OUTPUT_KEYS},
+                               {key: alone[key].numpy() for key in OUTPUT_KEYS})
