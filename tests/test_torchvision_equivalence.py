@@ -23,7 +23,7 @@ from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.runtime import infer
-from mrcnn_tf2.runtime.predictor import load_model, predict_function
+from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function
 from tests.support import maskrcnn_resnet50_fpn, photo
 
 # The torchvision model's outputs and its conversion are module fixtures: the module's tests run on one
@@ -109,13 +109,13 @@ def torch_outputs(outputs, i):
 def package_outputs(loaded, config, image):
     """The package's outputs for the same photo, through main.py infer's own preprocessing and predictor."""
     model = loaded.model
-    batch = infer.preprocess([infer.Photo(1, "photo", image)], Preprocessor(config.data))
+    batch = infer.preprocess(infer.Photo(1, "photo", image), Preprocessor(config.data))
     features = model.fpn(model.backbone(batch["images"]))
     rpn = model.rpn_head(features)
     proposals = model.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"],
                                          model._batch_anchors(batch["images"], features),
                                          batch["image_info"][:, :2], training=False)
-    outputs = infer.detect(predict_function(model), [infer.Photo(1, "photo", image)], Preprocessor(config.data), 1)
+    outputs = predict_batch(predict_function(model), batch, 1)
     count = int(outputs["num_detections"][0])
     boxes = outputs["detection_boxes"][0, :count]
     pasted = mask_ops.paste_masks_torchvision(outputs["detection_masks"][0, :count], boxes, image.shape[:2], 0.5)
@@ -221,6 +221,7 @@ def coco_results(image_id, boxes, scores, classes, masks):
             for b, s, c, rle in zip(boxes, scores, classes, rles)]
 
 
+@pytest.mark.timeout(300)  # ResNet-50 on four photos, after the module's fixtures if this test runs first
 def test_eval_gives_torchvisions_coco_ap(reference, converted, photo_files, tmp_path):
     # Ground truth: every other one of torchvision's own detections scoring above 0.2, so that false positives
     # rank among the true ones and its AP is far from 0 and from 1; the package's `main.py eval` on TFRecords
@@ -244,8 +245,10 @@ def test_eval_gives_torchvisions_coco_ap(reference, converted, photo_files, tmp_
                  progress=False)
     model_dir = tmp_path / "model"
     shutil.copytree(converted, model_dir)
+    # At the preset's batch size (8): the four photos of four padded shapes are each computed alone, as
+    # torchvision's evaluation computes them.
     status = main.main(["eval", "--preset", "torchvision", "--model_dir", str(model_dir), "--eval_file", str(eval_file),
-                        "--data_dir", str(tmp_path / "records"), "--eval_batch_size", "1",
+                        "--data_dir", str(tmp_path / "records"),
                         "--config_override", f"data.resize_min_size={MIN_SIZE}",
                         "--config_override", f"data.resize_max_size={MAX_SIZE}"])
     assert status == 0
@@ -255,6 +258,29 @@ def test_eval_gives_torchvisions_coco_ap(reference, converted, photo_files, tmp_
     for key in ("bbox/AP", "segm/AP"):
         assert 0.2 < expected[key] < 0.95, (key, expected[key])
         assert abs(ours[key] - expected[key]) <= 0.005, (key, ours[key], expected[key])
+
+
+@pytest.mark.timeout(300)  # ResNet-50 on four photos, after the module's fixtures if this test runs first
+def test_infer_at_the_presets_batch_size_gives_each_photo_torchvisions_detections_alone(reference, converted,
+                                                                                         photo_files, tmp_path):
+    # Photos of four padded shapes (landscape, portrait, square) in one batch of 8: each gets the detections
+    # torchvision gives it alone.
+    output_dir = tmp_path / "inference"
+    assert main.main(["infer", "--preset", "torchvision", "--model_dir", converted, "--output_dir", str(output_dir),
+                      "--input", os.path.dirname(photo_files[0][2]),
+                      "--config_override", f"data.resize_min_size={MIN_SIZE}",
+                      "--config_override", f"data.resize_max_size={MAX_SIZE}"]) == 0
+    assert parse(["infer", "--preset", "torchvision"])[1].eval.eval_batch_size == 8
+    images = json.loads((output_dir / "images.json").read_text())
+    predictions = json.loads((output_dir / "predictions.json").read_text())
+    paths = [path for _, _, path in photo_files]
+    for image in images:
+        theirs = torch_outputs(reference, paths.index(image["file_name"]))
+        mine = [r for r in predictions if r["image_id"] == image["id"]]
+        ours = {"boxes": np.array([[y, x, y + h, x + w] for x, y, w, h in (r["bbox"] for r in mine)]).reshape(-1, 4),
+                "scores": np.array([r["score"] for r in mine]), "classes": np.array([r["category_id"] for r in mine])}
+        pairs, _, _ = match_detections(ours, theirs)
+        assert len(pairs) >= len(theirs["scores"]) - 2, (image["file_name"], len(pairs), len(theirs["scores"]))
 
 
 @pytest.mark.timeout(300)  # fine-tunes and evaluates a ResNet-50 Mask R-CNN
