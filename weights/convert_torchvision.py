@@ -13,9 +13,11 @@ missing, unexpected or mis-shaped key is an error naming it) and holds the conve
 
 Output: DIR as training writes a model directory: a checkpoint (DIR/checkpoint, DIR/ckpt-0.*) of
 `tf.train.Checkpoint(model=MaskRCNN, step=0)` and DIR/config.json (the `torchvision` preset, the file's number
-of classes and ResNet depth), so `main.py eval|infer|export --model_dir DIR` restore it; and DIR/conversion.json
-(source, batch-norm eps). DIR is written under a temporary name and renamed when complete, so a failed run
-leaves nothing there; an existing DIR is replaced only if this converter wrote it.
+of classes and ResNet depth), so `main.py eval|infer|export --model_dir DIR` restore it; DIR/conversion.json
+(source, batch-norm eps); and, for a model of COCO's 91 classes, DIR/label_map.json {"category id": "name"} of
+torchvision's COCO categories, which `main.py infer` names the classes by. DIR is written under a temporary
+name and renamed when complete, so a failed run leaves nothing there; an existing DIR is replaced only if
+this converter wrote it.
 
 This file writes and parses flags; TensorFlow and the model are imported inside the functions that build and
 write the model, so that --help answers at once (`converter_cli.run` starts TensorFlow after parsing).
@@ -103,11 +105,14 @@ def assign_weights(model, converted):
         raise RuntimeError(f"no torchvision weights for {len(left)} variables of the model: {', '.join(left)}")
 
 
-def write_model_dir(model, config, output_dir, metadata):
+def write_model_dir(model, config, output_dir, metadata, label_map=None):
     """Writes output_dir as training would (checkpoint ckpt-0 of model and step 0, config.json) plus
-    conversion.json (`metadata`), under a temporary name renamed at the end (an existing output_dir is
-    replaced). Raises RuntimeError when the checkpoint would miss some of the model's variables."""
+    conversion.json (`metadata`) and, given a `label_map` {category id: name}, label_map.json, all under a
+    temporary name renamed at the end (an existing output_dir is replaced). Raises RuntimeError when the
+    checkpoint would miss some of the model's variables."""
     import tensorflow as tf
+
+    from mrcnn_tf2.runtime.infer import LABEL_MAP_FILE
 
     output_dir = os.path.abspath(output_dir)
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
@@ -121,6 +126,8 @@ def write_model_dir(model, config, output_dir, metadata):
             raise RuntimeError(f"the checkpoint holds {len(saved)} of the model's {expected} variables")
         config.save(temporary)
         files.write_json(os.path.join(temporary, CONVERSION_FILE), metadata, indent=2)
+        if label_map:
+            files.write_json(os.path.join(temporary, LABEL_MAP_FILE), label_map, indent=2)  # JSON keys: "1", ...
 
 
 def check_output_dir(output_dir):
@@ -143,7 +150,8 @@ def convert_file(path, output_dir, bn_eps=None):
 
     Returns:
       The metadata written to conversion.json: source, num_classes, tensors (converted), ignored
-      (num_batches_tracked), bn_eps and bn_eps_rule.
+      (num_batches_tracked), bn_eps and bn_eps_rule. A model of COCO's 91 classes also gets label_map.json
+      (`torchvision_mapping.coco_label_map`).
 
     Raises:
       ValueError naming the file or flag on bad input (nothing is written then); RuntimeError when the model
@@ -168,7 +176,7 @@ def convert_file(path, output_dir, bn_eps=None):
     metadata = {"source": os.path.basename(path), "num_classes": config.model.num_classes,
                 "backbone": config.model.backbone, "tensors": used,
                 "ignored": len(tensors) - used, "bn_eps": eps, "bn_eps_rule": rule}
-    write_model_dir(model, config, output_dir, metadata)
+    write_model_dir(model, config, output_dir, metadata, tv.coco_label_map(num_classes))
     return metadata
 
 

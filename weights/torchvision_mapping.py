@@ -10,6 +10,7 @@ takes its weights. `layout_v1` is maskrcnn_resnet50_fpn (and MaskRCNN on resnet_
 mask predictor). Another architecture is another composition: maskrcnn_resnet50_fpn_v2 would reuse the body
 and predictor parts and add its own FPN, RPN head, box head and mask head (batch norm in the FPN and heads is
 `CONV_BN`), needing only our model's layers for them. The checks and the conversion take any layout.
+The class names of torchvision's COCO weights are here too (`COCO_CATEGORIES`, `coco_label_map`).
 
 Conventions of the conversion (exact up to float32 rounding):
   - Conv kernels OIHW -> HWIO, Linear weights transposed, ConvTranspose (in, out, kh, kw) -> (kh, kw, out, in).
@@ -41,8 +42,24 @@ TORCH_BATCH_NORM_EPS = 1e-5
 # torchvision's MaskRCNNHeads: four 3x3 convs (our MaskHead's default num_convs).
 MASK_HEAD_CONVS = 4
 
+# The categories of torchvision's COCO weights by class index (torchvision.models._meta._COCO_CATEGORIES):
+# index = COCO category id, "__background__" at 0, "N/A" where COCO has no category.
+COCO_CATEGORIES = (
+    "__background__", "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat",
+    "traffic light", "fire hydrant", "N/A", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse",
+    "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "N/A", "backpack", "umbrella", "N/A", "N/A",
+    "handbag", "tie", "suitcase", "frisbee", "skis", "snowboard", "sports ball", "kite", "baseball bat",
+    "baseball glove", "skateboard", "surfboard", "tennis racket", "bottle", "N/A", "wine glass", "cup", "fork",
+    "knife", "spoon", "bowl", "banana", "apple", "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza",
+    "donut", "cake", "chair", "couch", "potted plant", "bed", "N/A", "dining table", "N/A", "N/A", "toilet",
+    "N/A", "tv", "laptop", "mouse", "remote", "keyboard", "cell phone", "microwave", "oven", "toaster", "sink",
+    "refrigerator", "N/A", "book", "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
+)
+# COCO_CATEGORIES' marker of an id without a category.
+NO_CATEGORY = "N/A"
 
-# -- the torchvision model's keys ------------------------------------------------------------------------------
+
+# -- the torchvision model's keys --------------------------------------------------------------------------------------
 
 # Older torchvision releases (before its layers became Conv2dNormActivation blocks) spelled these keys
 # without the block index; their _load_from_state_dict hooks rename them the same way.
@@ -119,7 +136,7 @@ class Entry:
         return {f"{self.key}.weight": self.shape, f"{self.key}.bias": (outputs,)}
 
 
-# -- layout v1: maskrcnn_resnet50_fpn, one function per part ---------------------------------------------------
+# -- layout v1: maskrcnn_resnet50_fpn, one function per part -----------------------------------------------------------
 
 
 def resnet_entries(depth):
@@ -224,7 +241,7 @@ def layout_v1(config):
             + mask_predictor_entries(mask_width, model.num_classes))
 
 
-# -- checks of a state dict -------------------------------------------------------------------------------------
+# -- checks of a state dict --------------------------------------------------------------------------------------------
 
 
 def check_is_mask_rcnn(tensors, path):
@@ -305,7 +322,7 @@ def choose_bn_eps(tensors, entries, path, override=None):
                      "ambiguous; pass --bn_eps")
 
 
-# -- the conversion of the arrays -----------------------------------------------------------------------------
+# -- the conversion of the arrays --------------------------------------------------------------------------------------
 
 
 def fold_batch_norm(gamma, beta, mean, var, eps):
@@ -372,3 +389,15 @@ def convert_all(tensors, entries, eps, path):
         raise ValueError(f"{path}: running_var + eps {eps:g} is not positive in {', '.join(degenerate)}; "
                          "pass a larger --bn_eps")
     return [(entry, convert_entry(entry, tensors, eps)) for entry in entries]
+
+
+# -- class names -------------------------------------------------------------------------------------------------------
+
+
+def coco_label_map(num_classes):
+    """{COCO category id: name} of torchvision's COCO weights (ids 1..90 without COCO_CATEGORIES' gaps) when
+    `num_classes` is theirs (91: background and ids 1..90); None for any other number of classes, whose
+    names this module cannot know."""
+    if num_classes != len(COCO_CATEGORIES):
+        return None
+    return {class_id: name for class_id, name in enumerate(COCO_CATEGORIES) if class_id and name != NO_CATEGORY}
