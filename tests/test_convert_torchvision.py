@@ -1,4 +1,5 @@
-"""Tests of weights/convert_torchvision.py: a torchvision Mask R-CNN state dict -> a model directory.
+"""Tests of weights/convert_torchvision.py (a torchvision Mask R-CNN state dict -> a model directory) and of the
+modules it is made of: weights/torch_pickle.py (the reader) and weights/torchvision_mapping.py (the mapping).
 
 torch and torchvision are test-only dependencies: the tests build torchvision models, save their state dicts
 with torch.save and compare the layers' outputs with ours; the converter itself reads the files without torch.
@@ -7,6 +8,7 @@ import collections
 import json
 import os
 import pickletools
+import re
 import struct
 import subprocess
 import sys
@@ -24,9 +26,12 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 
 from mrcnn_tf2 import arguments, presets, status
 from mrcnn_tf2.config import load_saved_config
+from mrcnn_tf2.runtime import infer
 from mrcnn_tf2.runtime.predictor import load_model
 from tests.support import ROOT, maskrcnn_resnet50_fpn, randomize, run_converter
 from weights import convert_torchvision as conv
+from weights import torch_pickle
+from weights import torchvision_mapping as tv
 
 # The module's torchvision models and their conversions are module fixtures: its tests run on one pytest-xdist
 # worker, which makes them once.
@@ -162,7 +167,7 @@ def test_converted_layers_compute_what_torchvisions_compute(kind, image_size, to
     for level, scores, boxes in zip(range(2, 7), their_scores, their_boxes):
         assert_close(rpn["rpn_scores"][level], to_nhwc(scores), f"RPN objectness P{level}")
         # Ours (dy, dx, dh, dw) per anchor; the same permutation maps it back to torchvision's (dx, dy, dw, dh).
-        ours_as_theirs = tf.gather(rpn["rpn_boxes"][level], conv.xy_swap_order(boxes.shape[1]), axis=-1)
+        ours_as_theirs = tf.gather(rpn["rpn_boxes"][level], tv.xy_swap_order(boxes.shape[1]), axis=-1)
         assert_close(ours_as_theirs, to_nhwc(boxes), f"RPN deltas P{level}")
 
 
@@ -182,7 +187,7 @@ def test_converted_box_and_mask_heads_compute_what_torchvisions_compute(kind, to
     assert_close(box["class_logits"][0], class_logits, "class logits")
     # [N, K, (dy, dx, dh, dw)] -> torchvision's [N, K * (dx, dy, dw, dh)].
     ours_deltas = tf.reshape(box["box_deltas"][0], [NUM_ROIS, -1])
-    assert_close(tf.gather(ours_deltas, conv.xy_swap_order(4 * num_classes), axis=1), box_deltas, "box deltas")
+    assert_close(tf.gather(ours_deltas, tv.xy_swap_order(4 * num_classes), axis=1), box_deltas, "box deltas")
     masks = ours.mask_head((to_nhwc(mask_features)[None], tf.constant(classes[None], tf.int32)))
     assert_close(masks[0], mask_logits.numpy()[np.arange(NUM_ROIS), classes], "mask logits")
 
@@ -211,6 +216,24 @@ def test_the_model_directory_holds_a_training_checkpoint_and_the_presets_config(
     assert "53 num_batches_tracked ignored" in converted["batch_norm"][1]
     # Nothing but the directory: no temporary left beside it.
     assert not [name for name in os.listdir(model_dir.parent) if ".tmp-" in name or ".old-" in name]
+
+
+def test_a_coco_model_directory_holds_torchvisions_class_names_and_another_none(converted):
+    coco_dir, other_dir = converted["batch_norm"][0], converted["frozen"][0]  # 91 and FROZEN_CLASSES classes
+    assert infer.read_label_map(str(coco_dir / infer.LABEL_MAP_FILE)) == tv.coco_label_map(91)
+    assert not (other_dir / infer.LABEL_MAP_FILE).exists()
+    # What `main.py infer --model_dir DIR` names the classes by.
+    _, config = arguments.parse(["infer", "--preset", "torchvision", "--model_dir", str(coco_dir)])
+    names = infer.category_names(config)
+    assert names[1] == "person" and names[90] == "toothbrush" and names[12] == "12"  # 12: no COCO category
+
+
+def test_the_coco_names_are_those_of_torchvisions_coco_weights():
+    weights = torchvision.models.detection.MaskRCNN_ResNet50_FPN_Weights.COCO_V1
+    assert list(tv.COCO_CATEGORIES) == weights.meta["categories"]
+    label_map = tv.coco_label_map(len(tv.COCO_CATEGORIES))
+    assert len(label_map) == 80 and min(label_map) == 1 and max(label_map) == 90
+    assert tv.coco_label_map(FROZEN_CLASSES) is None
 
 
 # -- other inputs of the same weights --------------------------------------------------------------------------
@@ -260,7 +283,7 @@ def test_bn_eps_override_changes_the_folding_and_is_printed(torch_models, state_
     overridden, default = checkpoint_values(model_dir), checkpoint_values(converted["frozen"][0])
     for ours, bn in (("model/backbone/stem/bn", "backbone.body.bn1"),
                      ("model/backbone/conv4_block6/conv4_block6_3/bn", "backbone.body.layer3.5.bn3")):
-        gamma, beta, mean, var = (state_dict[f"{bn}.{name}"].double().numpy() for name in conv.BN_PARAMETERS)
+        gamma, beta, mean, var = (state_dict[f"{bn}.{name}"].double().numpy() for name in tv.BN_PARAMETERS)
         for values, eps in ((overridden, 1e-5), (default, 0.0)):
             scale = gamma / np.sqrt(var + eps)
             np.testing.assert_allclose(values[f"{ours}/gamma/.ATTRIBUTES/VARIABLE_VALUE"], scale, rtol=1e-6)
@@ -292,7 +315,7 @@ def test_the_reader_honours_dtype_offset_size_and_stride(tmp_path, zip_format):
     path = tmp_path / "tensors.pth"
     torch.save(tensors, path, _use_new_zipfile_serialization=zip_format)
     assert zipfile.is_zipfile(path) is zip_format
-    read = conv.read_state_dict(str(path))
+    read = torch_pickle.read_state_dict(str(path))
     assert list(read) == list(tensors)
     for key, tensor in tensors.items():
         expected = tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
@@ -300,10 +323,21 @@ def test_the_reader_honours_dtype_offset_size_and_stride(tmp_path, zip_format):
         np.testing.assert_array_equal(read[key], expected, err_msg=key)
 
 
+def test_the_reader_and_the_mapping_import_neither_tensorflow_nor_torch(tmp_path):
+    path = tmp_path / "tensors.pth"
+    torch.save({"w": torch.arange(6.0).reshape(2, 3)}, path)
+    code = ("import sys\nfrom weights import torch_pickle, torchvision_mapping\n"
+            "print(torch_pickle.read_state_dict(sys.argv[1])['w'].tolist())\n"
+            "print(sorted(name for name in ('tensorflow', 'keras', 'torch') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]", "[]"]
+
+
 def test_a_file_with_both_spellings_of_a_key_is_refused():
     tensors = {"rpn.head.conv.weight": np.zeros(1), "rpn.head.conv.0.0.weight": np.zeros(1)}
     with pytest.raises(ValueError, match=r"f\.pth: rpn\.head\.conv\.weight and rpn\.head\.conv\.0\.0\.weight"):
-        conv.current_spellings(tensors, "f.pth")
+        tv.current_spellings(tensors, "f.pth")
 
 
 # -- bad input: exit status 2, the file and the problem named, nothing written -----------------------------------
@@ -349,17 +383,13 @@ def test_a_pickle_naming_os_system_is_refused_without_running_it(tmp_path, zip_f
         write_torch_zip(path, payload)
     else:
         path.write_bytes(payload)
-    # The command-line program, as a user runs it; it must not import torch either.
-    code = ("import runpy, sys\n"
-            "try:\n"
-            "    runpy.run_path('weights/convert_torchvision.py', run_name='__main__')\n"
-            "except SystemExit as exit:\n"
-            "    print('torch imported:', 'torch' in sys.modules)\n"
-            "    sys.exit(exit.code)\n")
-    result = subprocess.run([sys.executable, "-c", code, "--input", str(path), "--output_dir", str(tmp_path / "m")],
-                            cwd=ROOT, capture_output=True, text=True)
+    # The command-line program, as a user runs it; it must not import torch either (`-X importtime` lists every
+    # module imported on stderr).
+    result = subprocess.run([sys.executable, "-X", "importtime", "weights/convert_torchvision.py", "--input",
+                             str(path), "--output_dir", str(tmp_path / "m")], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == status.BAD_INPUT, result.stderr
-    assert "torch imported: False" in result.stdout
+    assert "| tensorflow" in result.stderr  # the list is there: the converter starts TensorFlow
+    assert not re.search(r"\| +torch(\.|$)", result.stderr, re.MULTILINE)
     assert f"{path}: refused to load os.system" in result.stderr
     assert not marker.exists()
     assert not (tmp_path / "m").exists()

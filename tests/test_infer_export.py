@@ -124,6 +124,21 @@ def test_label_map_names_the_classes_and_bad_files_name_themselves(tmp_path, sha
             infer.category_names(config_for("infer", "--label_map", str(label_map)))
 
 
+def test_names_fall_back_to_the_model_directorys_label_map_after_the_flags(tmp_path, shapes_records):
+    (tmp_path / infer.LABEL_MAP_FILE).write_text(json.dumps({"1": "saved disc", "3": "saved tri"}))
+    config = config_for("infer", "--model_dir", str(tmp_path))
+    assert infer.category_names(config) == {1: "saved disc", 2: "2", 3: "saved tri", 4: "4", 5: "5"}
+    # --label_map wins; so do --eval_file's categories.
+    flag_map = tmp_path / "labels.json"
+    flag_map.write_text(json.dumps({"1": "disc"}))
+    config = config_for("infer", "--model_dir", str(tmp_path), "--label_map", str(flag_map))
+    assert infer.category_names(config) == {1: "disc", 2: "2", 3: "3", 4: "4", 5: "5"}
+    with open(shapes_records["val_json"]) as f:
+        categories = {c["id"]: c["name"] for c in json.load(f)["categories"]}
+    config = config_for("infer", "--model_dir", str(tmp_path), "--eval_file", shapes_records["val_json"])
+    assert infer.category_names(config) == categories
+
+
 def test_drawing_changes_the_image_where_objects_are_and_only_above_the_threshold():
     image = np.full((80, 100, 3), 90, np.uint8)
     boxes = np.array([[20, 30, 60, 70], [5, 5, 15, 15]], np.float32)

@@ -15,8 +15,9 @@ from mrcnn_tf2.config import Config
 from tests.support import ROOT
 
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+# The programs of these folders; the modules they import (weights/torch_pickle.py, ...) have no command line.
 TOOLS = sorted(str(p.relative_to(ROOT)) for folder in ("dataset", "weights", "scripts")
-               for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+               for p in (ROOT / folder).glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 # A line of `python -X importtime`'s report (stderr) of a module of TensorFlow's.
 TENSORFLOW_IMPORT = re.compile(r"\| +tensorflow(\.|$)", re.MULTILINE)
 FENCE = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)

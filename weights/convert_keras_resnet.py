@@ -29,7 +29,6 @@ Conventions of the conversion (all exact, up to float32 rounding):
     zero padding stands for a pixel of the pipeline's mean instead of the caffe mean, less than 0.5 of 255 apart.
 """
 
-import argparse
 import glob
 import json
 import os
@@ -38,11 +37,17 @@ import sys
 import h5py
 import numpy as np
 
-from mrcnn_tf2 import files, status
-from mrcnn_tf2.cli import import_tensorflow
+from mrcnn_tf2 import files
+
+# The shared command line, a sibling: run as a file, Python puts this folder first on sys.path; imported as
+# weights.convert_keras_resnet (by the tests), it is a module of the weights package.
+if __package__:
+    from . import converter_cli
+else:
+    import converter_cli
 
 # TensorFlow, Keras and the model are imported inside the functions that use them, so that --help answers
-# at once; main() starts TensorFlow first, as main.py does (import_tensorflow).
+# at once; main() starts TensorFlow after parsing, as main.py does (converter_cli.run).
 
 # Depths of keras.applications' ImageNet ResNets (keras.applications.ResNet50, ResNet101).
 KERAS_DEPTHS = (50, 101)
@@ -276,28 +281,23 @@ def convert_file(path, prefix, depth=50):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = converter_cli.build_parser(__doc__)
     parser.add_argument("--h5", required=True, help="keras.applications ResNet weights (.h5) or model (.h5/.keras)")
     parser.add_argument("--output", required=True, help="checkpoint prefix to write (PREFIX.index, PREFIX.json)")
     parser.add_argument("--depth", type=int, choices=KERAS_DEPTHS, default=50, help="ResNet depth")
     return parser
 
 
+def convert(args):
+    """convert_file of the parsed flags; returns the line that reports it."""
+    metadata = convert_file(args.h5, args.output, args.depth)
+    return [f"wrote {args.output} ({metadata['backbone']}, stride_in_1x1=true) from {metadata['source']}"]
+
+
 def main(argv=None):
     """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, BAD_INPUT when the file cannot be
     converted, or FAILURE when the backbone's checkpoint would miss variables (nothing is written then)."""
-    args = build_parser().parse_args(argv)
-    import_tensorflow()
-    try:
-        metadata = convert_file(args.h5, args.output, args.depth)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return status.BAD_INPUT
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return status.FAILURE
-    print(f"wrote {args.output} ({metadata['backbone']}, stride_in_1x1=true) from {metadata['source']}")
-    return status.OK
+    return converter_cli.run(build_parser(), argv, convert)
 
 
 if __name__ == "__main__":

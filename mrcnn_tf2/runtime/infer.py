@@ -22,7 +22,8 @@ predictions.json is written last, so that its presence means a complete run:
                      TFRecords), with _<id> appended where two images would share a name
 Class ids are the category ids (see `coco_metrics`): with --eval_file only its categories are kept.
 Names in the pictures come from --label_map (a JSON object {"category id": "name"}), else from
---eval_file's categories, else are the ids.
+--eval_file's categories, else from <model_dir>/label_map.json (weights/convert_torchvision.py writes COCO's
+names there), else are the ids.
 
 Exit status (`mrcnn_tf2.status`): OK when at least one image was processed (failures are on stderr),
 BAD_INPUT when none could be, or when the checkpoint, --input or --label_map is unusable.
@@ -58,6 +59,8 @@ from mrcnn_tf2.runtime.predictor import (
 
 PREDICTIONS_FILE = "predictions.json"
 IMAGES_FILE = "images.json"
+# A model directory's own class names, in --label_map's format (a converted torchvision COCO model has them).
+LABEL_MAP_FILE = "label_map.json"
 # Extensions of the files a folder or glob --input picks up (a file named directly is read whatever its name).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 # What transparent pixels become: the ImageNet mean normalises to 0, as the padding does.
@@ -179,16 +182,20 @@ def read_label_map(path):
 def category_names(config):
     """{class id: name} of the classes reported: --eval_file's categories, else every class of the model.
 
-    Names come from --label_map, else from --eval_file, else are the ids. Raises ValueError (naming the
-    file) for an unusable label map.
+    Names come from --label_map, else from --eval_file, else from the model directory's LABEL_MAP_FILE, else
+    are the ids. Raises ValueError (naming the file) for an unusable label map.
     """
+    label_map_file = config.infer.label_map
     if config.eval.eval_file:
         coco = coco_metrics.load_annotations(config.eval.eval_file)
         names = {category["id"]: category["name"] for category in coco.loadCats(coco.getCatIds())}
     else:
         names = {class_id: str(class_id) for class_id in range(1, config.model.num_classes)}
-    if config.infer.label_map:
-        label_map = read_label_map(config.infer.label_map)
+        saved = os.path.join(config.runtime.model_dir, LABEL_MAP_FILE)
+        if not label_map_file and os.path.isfile(saved):
+            label_map_file = saved
+    if label_map_file:
+        label_map = read_label_map(label_map_file)
         names = {class_id: label_map.get(class_id, name) for class_id, name in names.items()}
     return names
 
