@@ -69,11 +69,10 @@ class RPNHead(TracksSublayers, keras.layers.Layer):
         self.conv_route = conv_route
         self.num_convs = num_convs
         conv = dict(bias_initializer="zeros", conv_route=conv_route)
-        self.convs = [
-            Conv2D(num_filters, 3, padding="same", activation="relu", kernel_initializer=_normal(RPN_INIT_STDDEV),
-                   name="rpn_conv" if i == 1 else f"rpn_conv{i}", **conv)
-            for i in range(1, num_convs + 1)
-        ]
+        self.convs = [conv_layer(num_filters, 3, batch_norm=False, relu=True,
+                                 kernel_initializer=_normal(RPN_INIT_STDDEV), conv_route=conv_route,
+                                 name="rpn_conv" if i == 1 else f"rpn_conv{i}")
+                      for i in range(1, num_convs + 1)]
         # The first conv also under the attribute checkpoints written before num_convs existed name it by.
         self.conv = self.convs[0]
         self.score_conv = Conv2D(
