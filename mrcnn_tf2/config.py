@@ -178,10 +178,26 @@ class ModelConfig:
     include_mask: bool = True
     # Width of the FPN maps (and so of the RPN head and the RoI features); a CPU-sized model may narrow it.
     fpn_num_filters: int = 256
-    # Width of the box head's two fully connected layers.
+    # Normalisation after the FPN's convs, "none" or "batch" (torchvision's maskrcnn_resnet50_fpn_v2). Batch
+    # norm in the FPN and heads trains with batch statistics, per Horovod rank, whatever freeze_bn says (which
+    # is the backbone's), as torchvision's v2 trains them (model.backbone.conv_layer).
+    fpn_norm: str = "none"
+    # 3x3 convs of the RPN head: 1 as in Mask R-CNN, 2 in torchvision's v2.
+    rpn_head_num_convs: int = 1
+    # Width of the box head's fully connected layers.
     fast_rcnn_mlp_head_dim: int = 1024
+    # Fully connected layers of the box head, 1 or 2: Mask R-CNN's two, torchvision's v2 one after its convs.
+    fast_rcnn_num_fcs: int = 2
+    # 3x3 convs of the box head before its fully connected layers, and their width: none in Mask R-CNN, four
+    # of 256 in torchvision's v2.
+    fast_rcnn_num_convs: int = 0
+    fast_rcnn_conv_dim: int = 256
+    # Normalisation after the box head's convs, "none" or "batch" (torchvision's v2).
+    fast_rcnn_norm: str = "none"
     # Width of the mask head's 3x3 convs and its transposed conv.
     mrcnn_head_num_filters: int = 256
+    # Normalisation after the mask head's 3x3 convs, "none" or "batch" (torchvision's v2).
+    mrcnn_head_norm: str = "none"
     # Side of the predicted masks.
     mrcnn_resolution: int = 28
     # RoIAlign's sampling grid: True shifts boxes by half a cell (Detectron2 / torchvision aligned=True);
@@ -463,6 +479,13 @@ class Config:
             raise ConfigError("data.resize_max_size", f"{self.data.resize_max_size} must be >= 1")
         if self.model.num_classes < 2:
             raise ConfigError("--num_classes", f"{self.model.num_classes}: need background and >= 1 class")
+        for key in ("model.fpn_norm", "model.fast_rcnn_norm", "model.mrcnn_head_norm"):
+            if self.get(key) not in NORMS:
+                raise ConfigError(key, f"'{self.get(key)}' is not one of {NORMS}")
+        if self.model.fast_rcnn_num_fcs not in (1, 2):
+            raise ConfigError("model.fast_rcnn_num_fcs", f"{self.model.fast_rcnn_num_fcs} must be 1 or 2")
+        if self.model.fast_rcnn_num_convs < 0:
+            raise ConfigError("model.fast_rcnn_num_convs", f"{self.model.fast_rcnn_num_convs} must be >= 0")
         anchors = self.model.anchors
         if not 2 <= anchors.min_level <= anchors.max_level:
             raise ConfigError("model.anchors.min_level", f"levels {anchors.min_level}..{anchors.max_level} invalid")
@@ -480,6 +503,8 @@ class Config:
             ("--benchmark_steps", self.runtime.benchmark_steps),
             ("--checkpoint_every", self.runtime.checkpoint_every),
             ("--keep_checkpoints", self.runtime.keep_checkpoints),
+            ("model.rpn_head_num_convs", self.model.rpn_head_num_convs),
+            ("model.fast_rcnn_conv_dim", self.model.fast_rcnn_conv_dim),
         ):
             if count < 1:
                 raise ConfigError(key, f"{count} must be >= 1")
@@ -509,7 +534,9 @@ class Config:
 MODEL_DEFINING_KEYS = (
     "model.backbone", "model.num_classes", "data.image_size", "model.stride_in_1x1", "model.include_mask",
     "model.fpn_num_filters", "model.fast_rcnn_mlp_head_dim", "model.mrcnn_head_num_filters",
-    "model.mrcnn_resolution", "model.anchors.min_level", "model.anchors.max_level", "model.anchors.num_scales",
+    "model.fpn_norm", "model.rpn_head_num_convs", "model.fast_rcnn_num_fcs", "model.fast_rcnn_num_convs",
+    "model.fast_rcnn_conv_dim", "model.fast_rcnn_norm", "model.mrcnn_head_norm", "model.mrcnn_resolution",
+    "model.anchors.min_level", "model.anchors.max_level", "model.anchors.num_scales",
     "model.anchors.aspect_ratios", "model.anchors.anchor_scale", "model.anchors.anchor_offset",
     "model.anchors.round_base_anchors",
 )
@@ -525,6 +552,7 @@ BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 MASK_PASTES = ("exact", "torchvision")
+NORMS = ("none", "batch")
 JPEG_DCT_METHODS = ("", "INTEGER_FAST", "INTEGER_ACCURATE")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 

@@ -85,12 +85,18 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
     Variables are read in float32 (autocast off) to fold precisely; the folded kernel and bias are cast
     once to the compute dtype, so mixed_bfloat16 convolves in bfloat16.
 
+    Batch norm trains (batch statistics, moving averages updated) when called with training=True and its
+    sublayer is trainable; otherwise it runs on its moving statistics, folded into the conv.
+
+    `kernel_initializer`: the conv's (default He normal with fan_out); a Keras initializer or its config.
+
     call(inputs [B, H, W, C_in], residual=None, training=None) -> [B, H / strides, W / strides, filters]
     in the compute dtype. `residual` (same shape as the output) is added before the ReLU: the end of a
     residual block, kept here so that Conv + BiasAdd + Add + ReLU stay adjacent for the fusion.
     """
 
-    def __init__(self, filters, kernel_size, strides=1, relu=True, conv_route=conv_ops.CPU, **kwargs):
+    def __init__(self, filters, kernel_size, strides=1, relu=True, conv_route=conv_ops.CPU, kernel_initializer=None,
+                 **kwargs):
         super().__init__(autocast=False, **kwargs)
         self.filters = filters
         self.kernel_size = kernel_size
@@ -99,7 +105,7 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         self.conv_route = conv_route
         self.conv = keras.layers.Conv2D(
             filters, kernel_size, strides=strides, padding="same", use_bias=False,
-            kernel_initializer=he_normal_fan_out(), name=f"{self.name}_conv",
+            kernel_initializer=kernel_initializer or he_normal_fan_out(), name=f"{self.name}_conv",
         )
         self.bn = keras.layers.BatchNormalization(epsilon=BN_EPSILON, momentum=BN_MOMENTUM, name=f"{self.name}_bn")
         pad = (kernel_size - 1) // 2
@@ -136,8 +142,27 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(filters=self.filters, kernel_size=self.kernel_size, strides=self.strides, relu=self.relu,
-                      conv_route=self.conv_route)
+                      conv_route=self.conv_route,
+                      kernel_initializer=keras.initializers.serialize(self.conv.kernel_initializer))
         return config
+
+
+def conv_layer(filters, kernel_size, batch_norm, relu, kernel_initializer, conv_route, name):
+    """A stride-1 'same' conv of the FPN or a head: with `batch_norm` a ConvBN (conv without bias, since the
+    norm's beta shifts, then batch norm, then the ReLU if `relu`), else a Conv2D with a zero-initialised bias.
+
+    Both are called as layer(inputs [B, H, W, C_in], residual=None, training=None) -> [B, H, W, filters],
+    `residual` added before the ReLU (a Conv2D ignores `training`). A ConvBN's batch norm trains with batch
+    statistics under training=True unless frozen (its `bn.trainable` False; `ResNet(freeze_bn=True)` freezes
+    the backbone's only): torchvision trains the FPN's and heads' batch norms of maskrcnn_resnet50_fpn_v2,
+    from scratch and when fine-tuning alike. Under Horovod each rank normalises by its own batch's statistics
+    and updates its own moving averages (no cross-rank batch norm); rank 0's are the ones checkpointed.
+    """
+    if batch_norm:
+        return ConvBN(filters, kernel_size, relu=relu, conv_route=conv_route, kernel_initializer=kernel_initializer,
+                      name=name)
+    return Conv2D(filters, kernel_size, padding="same", activation="relu" if relu else None,
+                  kernel_initializer=kernel_initializer, bias_initializer="zeros", conv_route=conv_route, name=name)
 
 
 @keras.saving.register_keras_serializable(package="mrcnn_tf2")

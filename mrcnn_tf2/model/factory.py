@@ -155,11 +155,15 @@ def build_model(config, export=False):
             conv_route=conv_route,
         ),
         fpn=FPN(min_level=anchors.min_level, max_level=anchors.max_level, num_filters=model.fpn_num_filters,
-                conv_route=conv_route),
-        rpn_head=RPNHead(num_anchors=model.num_anchors, num_filters=model.fpn_num_filters, conv_route=conv_route),
-        box_head=BoxHead(num_classes=model.num_classes, mlp_head_dim=model.fast_rcnn_mlp_head_dim),
+                conv_route=conv_route, batch_norm=model.fpn_norm == "batch"),
+        rpn_head=RPNHead(num_anchors=model.num_anchors, num_filters=model.fpn_num_filters, conv_route=conv_route,
+                         num_convs=model.rpn_head_num_convs),
+        box_head=BoxHead(num_classes=model.num_classes, mlp_head_dim=model.fast_rcnn_mlp_head_dim,
+                         num_fcs=model.fast_rcnn_num_fcs, num_convs=model.fast_rcnn_num_convs,
+                         conv_dim=model.fast_rcnn_conv_dim, batch_norm=model.fast_rcnn_norm == "batch",
+                         conv_route=conv_route),
         mask_head=(MaskHead(num_classes=model.num_classes, num_filters=model.mrcnn_head_num_filters,
-                            conv_route=conv_route)
+                            conv_route=conv_route, batch_norm=model.mrcnn_head_norm == "batch")
                    if model.include_mask else None),
         proposal_generator=ProposalGenerator(
             train_pre_nms_topn=rpn.train_rpn_pre_nms_topn,

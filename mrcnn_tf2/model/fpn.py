@@ -6,14 +6,16 @@ the backbone: P6 = P5 subsampled with stride 2, which is NVIDIA's and Detectron'
 1 and stride 2, and each further level subsamples the one below it the same way.
 
 Convs carry a bias and use Caffe2's XavierFill (uniform, variance 1 / fan_in) as Detectron and
-torchvision's FPN do. Tensors are NHWC; levels are int dict keys. This module must not know about anchors
-or heads.
+torchvision's FPN do. With `batch_norm` (torchvision's maskrcnn_resnet50_fpn_v2) every lateral and output
+conv is followed by batch norm and has no bias; a lateral's norm comes before the top-down sum
+(backbone.conv_layer says how the norms train). Tensors are NHWC; levels are int dict keys. This module
+must not know about anchors or heads.
 """
 
 import keras
 import tensorflow as tf
 
-from mrcnn_tf2.model.backbone import Conv2D
+from mrcnn_tf2.model.backbone import conv_layer
 from mrcnn_tf2.model.tracking import TracksSublayers
 from mrcnn_tf2.ops import conv as conv_ops
 
@@ -50,6 +52,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
       max_level: coarsest output level, >= 5; levels above 5 are stride-2 subsamplings.
       num_filters: width of every output map.
       conv_route: conv_ops.conv2d's route for every conv (conv_ops.ROUTES; the factory picks it per device).
+      batch_norm: batch norm after every conv, which then has no bias (layers `backbone.ConvBN`).
 
     call(features, training=None):
       features: {level: [B, H / 2**level, W / 2**level, C_level]} for levels min_level..5 (others ignored);
@@ -58,7 +61,7 @@ class FPN(TracksSublayers, keras.layers.Layer):
       compute dtype (levels above 5: ceil of the size below / 2).
     """
 
-    def __init__(self, min_level=2, max_level=6, num_filters=256, conv_route=conv_ops.CPU, **kwargs):
+    def __init__(self, min_level=2, max_level=6, num_filters=256, conv_route=conv_ops.CPU, batch_norm=False, **kwargs):
         super().__init__(**kwargs)
         if not BACKBONE_MIN_LEVEL <= min_level <= BACKBONE_MAX_LEVEL:
             raise ValueError(f"FPN min_level {min_level} must be in [{BACKBONE_MIN_LEVEL}, {BACKBONE_MAX_LEVEL}]")
@@ -68,12 +71,12 @@ class FPN(TracksSublayers, keras.layers.Layer):
         self.max_level = max_level
         self.num_filters = num_filters
         self.conv_route = conv_route
+        self.batch_norm = batch_norm
         levels = range(min_level, BACKBONE_MAX_LEVEL + 1)
-        conv = dict(kernel_initializer=xavier_fill(), bias_initializer="zeros", conv_route=conv_route)
-        self.lateral = {level: Conv2D(num_filters, 1, name=f"fpn_lateral{level}", **conv)
-                        for level in levels}
-        self.output_convs = {level: Conv2D(num_filters, 3, padding="same", name=f"fpn_output{level}", **conv)
-                             for level in levels}
+        conv = dict(filters=num_filters, batch_norm=batch_norm, relu=False, kernel_initializer=xavier_fill(),
+                    conv_route=conv_route)
+        self.lateral = {level: conv_layer(kernel_size=1, name=f"fpn_lateral{level}", **conv) for level in levels}
+        self.output_convs = {level: conv_layer(kernel_size=3, name=f"fpn_output{level}", **conv) for level in levels}
 
     def build(self, input_shape):
         missing = [level for level in self.lateral if level not in input_shape]
@@ -87,8 +90,9 @@ class FPN(TracksSublayers, keras.layers.Layer):
         top_down = None
         outputs = {}
         for level in range(BACKBONE_MAX_LEVEL, self.min_level - 1, -1):
-            top_down = self.lateral[level](features[level], None if top_down is None else upsample2x(top_down))
-            outputs[level] = self.output_convs[level](top_down)
+            top_down = self.lateral[level](features[level], None if top_down is None else upsample2x(top_down),
+                                           training=training)
+            outputs[level] = self.output_convs[level](top_down, training=training)
         for level in range(BACKBONE_MAX_LEVEL + 1, self.max_level + 1):
             outputs[level] = outputs[level - 1][:, ::2, ::2, :]
         return {level: outputs[level] for level in range(self.min_level, self.max_level + 1)}
@@ -96,5 +100,5 @@ class FPN(TracksSublayers, keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(min_level=self.min_level, max_level=self.max_level, num_filters=self.num_filters,
-                      conv_route=self.conv_route)
+                      conv_route=self.conv_route, batch_norm=self.batch_norm)
         return config
