@@ -9,6 +9,38 @@ preset again, and the preset still gives the settings of one command that a save
 This module must not import TensorFlow.
 """
 
+# torchvision's maskrcnn_resnet50_fpn conventions (the torchvision preset); torchvision_v2 adds its model options.
+TORCHVISION_VALUES = {
+    # The weights' own backbone and classes come with them (the converter's config.json; ResNet-50 and
+    # 91 COCO ids are the defaults). Shorter side 800, longer at most 1333; evaluation and inference batches
+    # hold images of one padded shape, each padded to a multiple of 32. Training pads to the 1344x1344 canvas,
+    # which holds any image of the rule in either orientation.
+    "data.resize_min_size": 800,
+    "data.resize_max_size": 1333,
+    "data.pad_to_multiple": 32,
+    "data.image_size": (1344, 1344),
+    # PIL, with which torchvision's reference scripts load images, decodes JPEG with ISLOW.
+    "data.jpeg_dct_method": "INTEGER_ACCURATE",
+    # AnchorGenerator(sizes 32..512, aspect ratios h/w 0.5, 1, 2): (x, y) multipliers in that order,
+    # corners rounded, centres on the stride grid without a half-stride offset.
+    "model.anchors.anchor_scale": 8.0,
+    "model.anchors.num_scales": 1,
+    "model.anchors.aspect_ratios": ((2 ** 0.5, 2 ** -0.5), (1.0, 1.0), (2 ** -0.5, 2 ** 0.5)),
+    "model.anchors.anchor_offset": 0.0,
+    "model.anchors.round_base_anchors": True,
+    "model.roi_align_aligned": False,
+    "model.rpn.rpn_min_size": 1e-3,
+    "model.rpn.train_rpn_pre_nms_topn": 2000,
+    "model.rpn.train_rpn_post_nms_topn": 2000,
+    "model.rpn.test_rpn_pre_nms_topn": 1000,
+    "model.rpn.test_rpn_post_nms_topn": 1000,
+    "model.test.test_score_threshold": 0.05,
+    "model.test.test_min_box_size": 1e-2,
+    "model.test.test_nms": 0.5,
+    "model.test.test_detections_per_image": 100,
+    "model.test.mask_paste": "torchvision",
+}
+
 PRESETS = {
     "demo": dict(
         description="the README's demo: ResNet-18 from scratch on the generated 128x128 shapes (5 classes), "
@@ -51,34 +83,21 @@ PRESETS = {
     "torchvision": dict(
         description="torchvision's maskrcnn_resnet50_fpn conventions, for its weights converted with "
                     "weights/convert_torchvision.py (ResNet-50, 91 COCO ids, shorter side 800)",
+        values=TORCHVISION_VALUES,
+    ),
+    "torchvision_v2": dict(
+        description="torchvision's maskrcnn_resnet50_fpn_v2, for its weights converted with "
+                    "weights/convert_torchvision.py: the torchvision preset with batch norm in the FPN and heads, "
+                    "two RPN convs and a box head of four convs and one fully connected layer",
         values={
-            # The weights' own backbone and classes come with them (the converter's config.json; ResNet-50 and
-            # 91 COCO ids are the defaults). Shorter side 800, longer at most 1333; batches padded to a multiple of 32. Training pads to the
-            # 1344x1344 canvas, which holds any image of the rule in either orientation.
-            "data.resize_min_size": 800,
-            "data.resize_max_size": 1333,
-            "data.pad_to_multiple": 32,
-            "data.image_size": (1344, 1344),
-            # PIL, with which torchvision's reference scripts load images, decodes JPEG with ISLOW.
-            "data.jpeg_dct_method": "INTEGER_ACCURATE",
-            # AnchorGenerator(sizes 32..512, aspect ratios h/w 0.5, 1, 2): (x, y) multipliers in that order,
-            # corners rounded, centres on the stride grid without a half-stride offset.
-            "model.anchors.anchor_scale": 8.0,
-            "model.anchors.num_scales": 1,
-            "model.anchors.aspect_ratios": ((2 ** 0.5, 2 ** -0.5), (1.0, 1.0), (2 ** -0.5, 2 ** 0.5)),
-            "model.anchors.anchor_offset": 0.0,
-            "model.anchors.round_base_anchors": True,
-            "model.roi_align_aligned": False,
-            "model.rpn.rpn_min_size": 1e-3,
-            "model.rpn.train_rpn_pre_nms_topn": 2000,
-            "model.rpn.train_rpn_post_nms_topn": 2000,
-            "model.rpn.test_rpn_pre_nms_topn": 1000,
-            "model.rpn.test_rpn_post_nms_topn": 1000,
-            "model.test.test_score_threshold": 0.05,
-            "model.test.test_min_box_size": 1e-2,
-            "model.test.test_nms": 0.5,
-            "model.test.test_detections_per_image": 100,
-            "model.test.mask_paste": "torchvision",
+            **TORCHVISION_VALUES,
+            "model.fpn_norm": "batch",
+            "model.rpn_head_num_convs": 2,
+            "model.fast_rcnn_num_convs": 4,
+            "model.fast_rcnn_conv_dim": 256,
+            "model.fast_rcnn_norm": "batch",
+            "model.fast_rcnn_num_fcs": 1,
+            "model.mrcnn_head_norm": "batch",
         },
     ),
 }

@@ -22,8 +22,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.support import (SCHEDULE_FLAGS, SMALL_FLAGS, TRAINED_STEPS, run_converter,  # noqa: E402
-                           torchvision_v1_model)
+from tests.support import (SCHEDULE_FLAGS, SMALL_FLAGS, TORCHVISION_BUILDERS, TRAINED_STEPS,  # noqa: E402
+                           run_converter, torchvision_model)
 
 
 @pytest.fixture
@@ -91,23 +91,35 @@ def trained_model(tmp_path_factory, shapes_records):
     return built_once(tmp_path_factory, "trained_model", build)
 
 
-@pytest.fixture(scope="session")
-def torchvision_v1(tmp_path_factory):
-    """The suite's torchvision Mask R-CNN v1 (support.torchvision_v1_model), saved with torch.save and converted
-    by weights/convert_torchvision.py: dict of state_dict (the .pth path), model_dir (the conversion) and
-    converter_output (what the converter printed)."""
+def converted_torchvision(tmp_path_factory, version):
+    """The suite's torchvision Mask R-CNN of `version` (support.torchvision_model), saved with torch.save and
+    converted by weights/convert_torchvision.py: dict of state_dict (the .pth path), model_dir (the conversion)
+    and converter_output (what the converter printed)."""
+    name = TORCHVISION_BUILDERS[version]
+
     def build(folder):
         import torch
 
-        torch.save(torchvision_v1_model().state_dict(), folder / "maskrcnn_resnet50_fpn.pth")
-        code, out, err = run_converter("--input", folder / "maskrcnn_resnet50_fpn.pth", "--output_dir",
-                                       folder / "model")
+        torch.save(torchvision_model(version).state_dict(), folder / f"{name}.pth")
+        code, out, err = run_converter("--input", folder / f"{name}.pth", "--output_dir", folder / "model")
         assert code == 0, err
         (folder / "converter_output.txt").write_text(out)
 
-    folder = built_once(tmp_path_factory, "torchvision_v1", build)
-    return {"state_dict": folder / "maskrcnn_resnet50_fpn.pth", "model_dir": folder / "model",
+    folder = built_once(tmp_path_factory, f"torchvision_{version}", build)
+    return {"state_dict": folder / f"{name}.pth", "model_dir": folder / "model",
             "converter_output": (folder / "converter_output.txt").read_text()}
+
+
+@pytest.fixture(scope="session")
+def torchvision_v1(tmp_path_factory):
+    """`converted_torchvision` of v1 (maskrcnn_resnet50_fpn)."""
+    return converted_torchvision(tmp_path_factory, "v1")
+
+
+@pytest.fixture(scope="session")
+def torchvision_v2(tmp_path_factory):
+    """`converted_torchvision` of v2 (maskrcnn_resnet50_fpn_v2)."""
+    return converted_torchvision(tmp_path_factory, "v2")
 
 
 def pytest_collection_modifyitems(items):

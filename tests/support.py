@@ -234,23 +234,27 @@ def randomize(model, seed):
     return model.eval()
 
 
-def maskrcnn_resnet50_fpn(**kwargs):
-    """torchvision's maskrcnn_resnet50_fpn without pretrained weights (nn.BatchNorm2d backbone, eps 1e-5), 91
-    classes; `kwargs` go to it (min_size, max_size)."""
+# torchvision's builder of each Mask R-CNN version the converter reads.
+TORCHVISION_BUILDERS = {"v1": "maskrcnn_resnet50_fpn", "v2": "maskrcnn_resnet50_fpn_v2"}
+
+
+def maskrcnn_resnet50_fpn(version="v1", **kwargs):
+    """torchvision's Mask R-CNN of `version` (TORCHVISION_BUILDERS) without pretrained weights (nn.BatchNorm2d
+    backbone, eps 1e-5), 91 classes; `kwargs` go to it (min_size, max_size)."""
     import torchvision
 
-    return torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91,
-                                                              **kwargs)
+    builder = getattr(torchvision.models.detection, TORCHVISION_BUILDERS[version])
+    return builder(weights=None, weights_backbone=None, num_classes=91, **kwargs)
 
 
-def torchvision_v1_model(seed=0):
-    """The test suite's torchvision Mask R-CNN v1 (maskrcnn_resnet50_fpn, in eval mode): seeded, randomised
-    (`randomize`), with its RPN and class outputs scaled to a trained model's ranges (measured on a 480x640
-    photo resized to 480..800), so that it gives confident, varied detections on photos."""
+def torchvision_model(version="v1", seed=0):
+    """The test suite's torchvision Mask R-CNN of `version` (v1: maskrcnn_resnet50_fpn, v2: ..._v2; in eval
+    mode): seeded, randomised (`randomize`), with its RPN and class outputs scaled to a trained model's ranges
+    (measured on a 480x640 photo resized to 480..800), so that it gives confident, varied detections on photos."""
     import torch
 
     torch.manual_seed(seed)
-    model = randomize(maskrcnn_resnet50_fpn(min_size=480, max_size=800), seed)
+    model = randomize(maskrcnn_resnet50_fpn(version, min_size=480, max_size=800), seed)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         # Objectness logits of a few units, box deltas of a few tenths.

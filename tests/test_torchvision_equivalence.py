@@ -1,7 +1,8 @@
-"""The package under `--preset torchvision` against torchvision's own maskrcnn_resnet50_fpn, end to end.
+"""The package under `--preset torchvision` / `torchvision_v2` against torchvision's own maskrcnn_resnet50_fpn and
+maskrcnn_resnet50_fpn_v2, end to end.
 
-The suite's torchvision model (conftest's torchvision_v1: seeded random weights, randomised batch-norm
-statistics, heads scaled to a trained model's ranges), saved as a state dict and converted by
+The suite's torchvision models (conftest's torchvision_v1 and torchvision_v2: seeded random weights, randomised
+batch-norm statistics, heads scaled to a trained model's ranges), saved as state dicts and converted by
 weights/convert_torchvision.py, and the package run on the same photos (JPEG files of several sizes and
 orientations, read with PIL as torchvision's users read them): the normalised input, the FPN features, the
 RPN proposals, the final detections and the pasted masks must agree.
@@ -36,15 +37,15 @@ MIN_SIZE, MAX_SIZE = 480, 800
 PHOTO_SIZES = ((480, 640), (500, 333), (400, 400), (371, 519))
 
 
-def torchvision_outputs(state_dict_path, photo_paths):
-    """torchvision's maskrcnn_resnet50_fpn with the state dict at `state_dict_path`, at MIN_SIZE / MAX_SIZE, run on
-    the photos (read with PIL, as torchvision's users read them).
+def torchvision_outputs(version, state_dict_path, photo_paths):
+    """torchvision's Mask R-CNN of `version` with the state dict at `state_dict_path`, at MIN_SIZE / MAX_SIZE, run
+    on the photos (read with PIL, as torchvision's users read them).
 
     Returns, for photo i: i_input [H, W, 3] the padded, normalised model input; i_p{2..6} [H_l, W_l, 256] the
     FPN features (NHWC); i_proposals [P, 4]; i_boxes [D, 4] (original pixels); i_scores [D]; i_classes [D];
     i_masks [D, h, w] bool (pasted, > 0.5). Boxes [ymin, xmin, ymax, xmax].
     """
-    model = maskrcnn_resnet50_fpn(min_size=MIN_SIZE, max_size=MAX_SIZE)
+    model = maskrcnn_resnet50_fpn(version, min_size=MIN_SIZE, max_size=MAX_SIZE)
     model.load_state_dict(torch.load(state_dict_path, weights_only=True))
     model.eval()
     photos = [torch.from_numpy(np.asarray(Image.open(path).convert("RGB")).copy()).permute(2, 0, 1).float() / 255.0
@@ -83,7 +84,13 @@ def photo_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(photo_files, torchvision_v1):
     """torchvision's outputs (`torchvision_outputs`) of the suite's v1 model on the photos."""
-    return torchvision_outputs(torchvision_v1["state_dict"], [path for _, _, path in photo_files])
+    return torchvision_outputs("v1", torchvision_v1["state_dict"], [path for _, _, path in photo_files])
+
+
+@pytest.fixture(scope="module")
+def reference_v2(photo_files, torchvision_v2):
+    """torchvision's outputs (`torchvision_outputs`) of the suite's v2 model on the photos."""
+    return torchvision_outputs("v2", torchvision_v2["state_dict"], [path for _, _, path in photo_files])
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +99,13 @@ def converted(torchvision_v1):
     return str(torchvision_v1["model_dir"])
 
 
-def package_config(model_dir, *flags):
-    return parse(["eval", "--preset", "torchvision", "--model_dir", model_dir, "--eval_batch_size", "1", *flags,
+# Each version's preset and fixtures: (preset, reference fixture, conversion fixture).
+VERSIONS = {"v1": ("torchvision", "reference", "torchvision_v1"),
+            "v2": ("torchvision_v2", "reference_v2", "torchvision_v2")}
+
+
+def package_config(model_dir, *flags, preset="torchvision"):
+    return parse(["eval", "--preset", preset, "--model_dir", model_dir, "--eval_batch_size", "1", *flags,
                   "--config_override", f"data.resize_min_size={MIN_SIZE}",
                   "--config_override", f"data.resize_max_size={MAX_SIZE}"])[1]
 
@@ -170,14 +182,18 @@ def borderline(scores, cutoff_scores):
 @pytest.mark.timeout(300)
 @pytest.mark.onednn  # the convolutions' numbers are oneDNN's or TensorFlow's
 @pytest.mark.parametrize("custom_ops", ["on", "off"])
-def test_detections_equal_torchvisions(reference, converted, photo_files, custom_ops):
-    config = package_config(converted, "--custom_ops", custom_ops)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_detections_equal_torchvisions(request, photo_files, version, custom_ops):
+    preset, reference_fixture, conversion_fixture = VERSIONS[version]
+    reference = request.getfixturevalue(reference_fixture)
+    converted = str(request.getfixturevalue(conversion_fixture)["model_dir"])
+    config = package_config(converted, "--custom_ops", custom_ops, preset=preset)
     loaded = load_model(config)
     for i, (height, width, path) in enumerate(photo_files):
         image = infer.read_image(path)
         theirs = torch_outputs(reference, i)
         ours = package_outputs(loaded, config, image)
-        where = f"photo {height}x{width}, custom_ops {custom_ops}"
+        where = f"{version}, photo {height}x{width}, custom_ops {custom_ops}"
 
         # The model input: same resized size, same padding to a multiple of 32, same pixels.
         assert ours["input"].shape == theirs["input"].shape, where

@@ -1,23 +1,27 @@
-"""Converts a torchvision Mask R-CNN (maskrcnn_resnet50_fpn, or MaskRCNN on another ResNet-FPN) state dict into a
-model directory of this package.
+"""Converts a torchvision Mask R-CNN state dict (maskrcnn_resnet50_fpn, MaskRCNN on another ResNet-FPN, or
+maskrcnn_resnet50_fpn_v2) into a model directory of this package.
 
     python weights/convert_torchvision.py --input maskrcnn_resnet50_fpn_coco-bf2d0c1e.pth --output_dir runs/tv
     python main.py infer --preset torchvision --model_dir runs/tv --input 'photos/*.jpg' --visualize
+    python weights/convert_torchvision.py --input maskrcnn_resnet50_fpn_v2_coco-73cbd019.pth --output_dir runs/tv2
+    python main.py infer --preset torchvision_v2 --model_dir runs/tv2 --input 'photos/*.jpg' --visualize
 
-Input: `torch.save(model.state_dict())` of torchvision.models.detection.maskrcnn_resnet50_fpn, or of a MaskRCNN on
-`resnet_fpn_backbone` of ResNet-18, 34, 50 or 101 (the depth is read from the blocks), in either torch.save
+Input: `torch.save(model.state_dict())` of torchvision.models.detection.maskrcnn_resnet50_fpn, of a MaskRCNN on
+`resnet_fpn_backbone` of ResNet-18, 34, 50 or 101 (the depth is read from the blocks), or of
+maskrcnn_resnet50_fpn_v2 (v1 and v2 are told apart by their keys, and the run says which), in either torch.save
 format, or an .npz with the same keys. PyTorch is not needed: weights/torch_pickle.py reads the file and runs
 nothing from it. weights/torchvision_mapping.py places every tensor (current and older key spellings; a
 missing, unexpected or mis-shaped key is an error naming it) and holds the conventions of the conversion
 (layouts, batch-norm folding and its eps, box-delta order). The number of classes comes from the class logits.
 
 Output: DIR as training writes a model directory: a checkpoint (DIR/checkpoint, DIR/ckpt-0.*) of
-`tf.train.Checkpoint(model=MaskRCNN, step=0)` and DIR/config.json (the `torchvision` preset, the file's number
-of classes and ResNet depth), so `main.py eval|infer|export --model_dir DIR` restore it; DIR/conversion.json
-(source, batch-norm eps); and, for a model of COCO's 91 classes, DIR/label_map.json {"category id": "name"} of
-torchvision's COCO categories, which `main.py infer` names the classes by. DIR is written under a temporary
-name and renamed when complete, so a failed run leaves nothing there; an existing DIR is replaced only if
-this converter wrote it.
+`tf.train.Checkpoint(model=MaskRCNN, step=0)` and DIR/config.json (the `torchvision` or `torchvision_v2`
+preset, the file's number of classes and ResNet depth), so `main.py eval|infer|export --model_dir DIR` restore
+it; DIR/conversion.json (source, model, preset, batch-norm eps); and, for a model of COCO's 91 classes,
+DIR/label_map.json {"category id": "name"} of torchvision's COCO categories, which `main.py infer` names the
+classes by. DIR is written under a temporary name and renamed when complete, so a failed run leaves nothing
+there; an existing DIR is replaced only if this converter wrote it. With --preset, a file of the other version
+is refused, naming both.
 
 This file writes and parses flags; TensorFlow and the model are imported inside the functions that build and
 write the model, so that --help answers at once (`converter_cli.run` starts TensorFlow after parsing).
@@ -41,7 +45,6 @@ else:
     import torch_pickle
     import torchvision_mapping as tv
 
-PRESET = "torchvision"
 CONVERSION_FILE = "conversion.json"
 # Side of the zero images that create the model's variables before they are assigned (2**max_level of the
 # preset: the smallest input whose FPN levels all exist).
@@ -55,11 +58,11 @@ def _resolve(obj, attributes):
     return obj
 
 
-def torchvision_config(num_classes, depth, output_dir):
-    """Config() with the torchvision preset, `num_classes` and ResNet `depth`: what the model directory's
-    config.json holds."""
+def torchvision_config(preset, num_classes, depth, output_dir):
+    """Config() with the `preset` of the file's version (torchvision or torchvision_v2), `num_classes` and ResNet
+    `depth`: what the model directory's config.json holds."""
     config = Config()
-    for key, value in presets.values(PRESET).items():
+    for key, value in presets.values(preset).items():
         config.set(key, value)
     config.set("model.num_classes", num_classes)
     config.set("model.backbone", f"resnet{depth}")
@@ -140,16 +143,19 @@ def check_output_dir(output_dir):
                          "replaced); choose another directory")
 
 
-def convert_file(path, output_dir, bn_eps=None):
+def convert_file(path, output_dir, bn_eps=None, preset=None):
     """Converts the torchvision Mask R-CNN state dict at `path` into the model directory `output_dir`.
 
     Args:
       path: .pth (torch.save of the state dict) or .npz with its keys.
       output_dir: the model directory to write (see the module docstring).
       bn_eps: eps of torchvision's batch norms; None: by the num_batches_tracked rule.
+      preset: the preset the file is expected under (torchvision: v1, torchvision_v2: v2); None: whichever the
+        keys say.
 
     Returns:
-      The metadata written to conversion.json: source, num_classes, tensors (converted), ignored
+      The metadata written to conversion.json: source, model (torchvision's builder), preset, num_classes,
+      tensors (converted), ignored
       (num_batches_tracked), bn_eps and bn_eps_rule. A model of COCO's 91 classes also gets label_map.json
       (`torchvision_mapping.coco_label_map`).
 
@@ -162,18 +168,24 @@ def convert_file(path, output_dir, bn_eps=None):
     check_output_dir(output_dir)
     tensors, original = tv.current_spellings(torch_pickle.read_state_dict(path), path)
     num_classes, depth = tv.check_is_mask_rcnn(tensors, path)
+    version = tv.VERSIONS[tv.find_version(tensors, path)]
+    if preset is not None and preset != version["preset"]:
+        expected = next(known for known in tv.VERSIONS.values() if known["preset"] == preset)
+        raise ValueError(f"{path}: holds torchvision's {version['builder']} (it has {version['key']}), but "
+                         f"--preset {preset} is {expected['builder']}: pass --preset {version['preset']}")
     try:
-        config = torchvision_config(num_classes, depth, output_dir)
+        config = torchvision_config(version["preset"], num_classes, depth, output_dir)
     except ConfigError as err:  # e.g. fewer than 2 classes
         raise ValueError(f"{path}: {err}") from None
-    entries = tv.layout_v1(config)
+    entries = version["layout"](config)
     tv.check_tensors(tensors, entries, path, original)
     eps, rule = tv.choose_bn_eps(tensors, entries, path, bn_eps)
     converted = tv.convert_all(tensors, entries, eps, path)
     model = build_model_variables(config)
     assign_weights(model, converted)
     used = sum(len(entry.torch_shapes()) for entry in entries)
-    metadata = {"source": os.path.basename(path), "num_classes": config.model.num_classes,
+    metadata = {"source": os.path.basename(path), "model": version["builder"], "preset": version["preset"],
+                "num_classes": config.model.num_classes,
                 "backbone": config.model.backbone, "tensors": used,
                 "ignored": len(tensors) - used, "bn_eps": eps, "bn_eps_rule": rule}
     write_model_dir(model, config, output_dir, metadata, tv.coco_label_map(num_classes))
@@ -187,6 +199,9 @@ def build_parser():
                              "keys")
     parser.add_argument("--output_dir", required=True,
                         help="model directory to write (checkpoint, config.json), for main.py --model_dir")
+    parser.add_argument("--preset", choices=[known["preset"] for known in tv.VERSIONS.values()], default=None,
+                        help="refuse a file that is not this preset's model (torchvision: maskrcnn_resnet50_fpn, "
+                             "torchvision_v2: maskrcnn_resnet50_fpn_v2); default: whichever its keys say")
     parser.add_argument("--bn_eps", type=float, default=None,
                         help="eps of the model's batch norms (default: 1e-5 with num_batches_tracked keys, else 0 "
                              "as torchvision's released COCO weights)")
@@ -195,8 +210,9 @@ def build_parser():
 
 def convert(args):
     """convert_file of the parsed flags; returns the lines that report it."""
-    metadata = convert_file(args.input, args.output_dir, args.bn_eps)
-    return [f"batch norm eps {metadata['bn_eps']:g} ({metadata['bn_eps_rule']})",
+    metadata = convert_file(args.input, args.output_dir, args.bn_eps, args.preset)
+    return [f"found torchvision's {metadata['model']}: use --preset {metadata['preset']}",
+            f"batch norm eps {metadata['bn_eps']:g} ({metadata['bn_eps_rule']})",
             f"wrote {args.output_dir}: {metadata['tensors']} tensors converted ({metadata['ignored']} "
             f"{tv.BN_COUNTER} ignored), {metadata['num_classes']} classes, from {metadata['source']}"]
 

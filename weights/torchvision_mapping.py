@@ -7,9 +7,9 @@ A layout is the list of `Entry`s of one torchvision architecture, in state-dict 
 torchvision's layer (its key prefix and weight shape), the kind of layer, and the attribute path of ours that
 takes its weights. `layout_v1` is maskrcnn_resnet50_fpn (and MaskRCNN on resnet_fpn_backbone of ResNet-18, 34,
 50 or 101), composed of one function per part (ResNet body, FPN, RPN head, box head, box predictor, mask head,
-mask predictor). Another architecture is another composition: maskrcnn_resnet50_fpn_v2 would reuse the body
-and predictor parts and add its own FPN, RPN head, box head and mask head (batch norm in the FPN and heads is
-`CONV_BN`), needing only our model's layers for them. The checks and the conversion take any layout.
+mask predictor); `layout_v2` is maskrcnn_resnet50_fpn_v2, the same body and predictors with its own FPN, RPN
+head, box head and mask head. `find_version` tells them apart by their keys. The checks and the conversion
+take any layout.
 The class names of torchvision's COCO weights are here too (`COCO_CATEGORIES`, `coco_label_map`).
 
 Conventions of the conversion (exact up to float32 rounding):
@@ -20,8 +20,10 @@ Conventions of the conversion (exact up to float32 rounding):
     (dy, dx, dh, dw), rows of the weights and biases permuted in each group of 4. The anchors of a cell come in
     torchvision's aspect-ratio order (0.5, 1, 2), which the torchvision preset's `model.anchors.aspect_ratios`
     keeps.
-  - Batch norm y = (x - mean) * gamma / sqrt(var + eps_tv) + beta is folded into an affine map stored in our
-    batch norm with zero mean and unit (var + eps): our epsilon (backbone.BN_EPSILON) then changes nothing.
+  - v1's batch norm (FrozenBatchNorm2d) y = (x - mean) * gamma / sqrt(var + eps_tv) + beta is folded into an
+    affine map stored in our batch norm with zero mean and unit (var + eps): our epsilon (backbone.BN_EPSILON)
+    then changes nothing. v2's batch norms (nn.BatchNorm2d, which train when the model is fine-tuned) keep
+    their gamma, beta and mean, and variance var + eps_tv - BN_EPSILON (var itself for eps_tv 1e-5).
     eps_tv (`choose_bn_eps`): 1e-5 (nn.BatchNorm2d) when the state dict has num_batches_tracked keys; without
     them it comes from FrozenBatchNorm2d, which torchvision runs with eps 0 for its released COCO weights
     (overwrite_eps in torchvision/models/detection/mask_rcnn.py); a model trained with FrozenBatchNorm2d's own
@@ -82,7 +84,10 @@ BN_PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 BN_COUNTER = "num_batches_tracked"
 RESNET_BLOCK = re.compile(r"backbone\.body\.layer(\d+)\.(\d+)\.")
 
-CONV_BN, CONV, DENSE, DECONV = "conv_bn", "conv", "dense", "deconv"
+# CONV_BN: conv + batch norm folded into a fixed affine map (v1's FrozenBatchNorm2d); CONV_NORM: conv + batch
+# norm whose weights and statistics are kept (v2's nn.BatchNorm2d, which trains when fine-tuned).
+CONV_BN, CONV_NORM, CONV, DENSE, DECONV = "conv_bn", "conv_norm", "conv", "dense", "deconv"
+NORM_KINDS = (CONV_BN, CONV_NORM)
 
 
 def current_spellings(tensors, path):
@@ -109,12 +114,13 @@ def current_spellings(tensors, path):
 class Entry:
     """One layer of torchvision's Mask R-CNN and the layer of our MaskRCNN that takes its weights.
 
-    kind: CONV_BN (conv without bias + batch norm), CONV (with bias), DENSE (Linear), DECONV (ConvTranspose2d).
+    kind: CONV_BN or CONV_NORM (conv without bias + batch norm), CONV (with bias), DENSE (Linear), DECONV
+      (ConvTranspose2d).
     key: torchvision's prefix of KEY.weight (and KEY.bias).
     shape: torchvision's shape of KEY.weight.
     target: attribute path of our layer in MaskRCNN: names and list indices / dict keys, e.g.
       ("backbone", "groups", 0, 1, "convs", 2).
-    bn_key: CONV_BN: torchvision's prefix of the batch norm.
+    bn_key: CONV_BN, CONV_NORM: torchvision's prefix of the batch norm.
     swap_xy: the outputs come in groups of 4 box deltas (dx, dy, dw, dh); ours are (dy, dx, dh, dw).
     chw_input: DENSE: the input is a flattened [C, H, W] map (torchvision's RoI features); ours flattens [H, W, C].
     """
@@ -129,7 +135,7 @@ class Entry:
 
     def torch_shapes(self):
         """{torchvision key: shape} of the tensors this layer takes (num_batches_tracked aside)."""
-        if self.kind == CONV_BN:
+        if self.kind in NORM_KINDS:
             return {f"{self.key}.weight": self.shape,
                     **{f"{self.bn_key}.{name}": self.shape[:1] for name in BN_PARAMETERS}}
         outputs = self.shape[1] if self.kind == DECONV else self.shape[0]
@@ -139,12 +145,12 @@ class Entry:
 # -- layout v1: maskrcnn_resnet50_fpn, one function per part -----------------------------------------------------------
 
 
-def resnet_entries(depth):
+def resnet_entries(depth, norm=CONV_BN):
     """The Entries of torchvision's ResNet-`depth` body (backbone.body): the stem, then each block's convs and
-    its projection shortcut."""
+    its projection shortcut, their batch norms converted as `norm` (CONV_BN or CONV_NORM)."""
     from mrcnn_tf2.model.backbone import BLOCKS_PER_GROUP, GROUP_FILTERS, STEM_FILTERS
 
-    entries = [Entry(CONV_BN, "backbone.body.conv1", (STEM_FILTERS, 3, 7, 7), ("backbone", "stem"),
+    entries = [Entry(norm, "backbone.body.conv1", (STEM_FILTERS, 3, 7, 7), ("backbone", "stem"),
                      bn_key="backbone.body.bn1")]
     in_channels = STEM_FILTERS
     for group, (num_blocks, filters, out_channels) in enumerate(
@@ -156,11 +162,11 @@ def resnet_entries(depth):
                 shapes = ((filters, block_in, 3, 3), (filters, filters, 3, 3))
             else:  # Bottleneck
                 shapes = ((filters, block_in, 1, 1), (filters, filters, 3, 3), (out_channels, filters, 1, 1))
-            entries += [Entry(CONV_BN, f"{prefix}.conv{i}", shape, target + ("convs", i - 1), bn_key=f"{prefix}.bn{i}")
+            entries += [Entry(norm, f"{prefix}.conv{i}", shape, target + ("convs", i - 1), bn_key=f"{prefix}.bn{i}")
                         for i, shape in enumerate(shapes, 1)]
             # A projection where the block changes the stride or the width (not ResNet-18/34's first block).
             if block == 0 and (group > 0 or in_channels != out_channels):
-                entries.append(Entry(CONV_BN, f"{prefix}.downsample.0", (out_channels, in_channels, 1, 1),
+                entries.append(Entry(norm, f"{prefix}.downsample.0", (out_channels, in_channels, 1, 1),
                                      target + ("shortcut",), bn_key=f"{prefix}.downsample.1"))
         in_channels = out_channels
     return entries
@@ -241,6 +247,78 @@ def layout_v1(config):
             + mask_predictor_entries(mask_width, model.num_classes))
 
 
+# -- layout v2: maskrcnn_resnet50_fpn_v2, v1's body and predictors with its own FPN and heads -------------------------
+
+
+def fpn_entries_v2(in_widths, width):
+    """The Entries of torchvision's FPN with batch norm after every lateral (inner) and output (layer) conv."""
+    entries = []
+    for i, in_width in enumerate(in_widths):
+        for blocks, shape, target in (("inner_blocks", (width, in_width, 1, 1), "lateral"),
+                                      ("layer_blocks", (width, width, 3, 3), "output_convs")):
+            entries.append(Entry(CONV_NORM, f"backbone.fpn.{blocks}.{i}.0", shape, ("fpn", target, i + 2),
+                                 bn_key=f"backbone.fpn.{blocks}.{i}.1"))
+    return entries
+
+
+def rpn_head_entries_v2(width, anchors, convs):
+    """The Entries of torchvision's RPNHead(conv_depth=`convs`): 3x3 convs with bias, then the two outputs."""
+    return ([Entry(CONV, f"rpn.head.conv.{j}.0", (width, width, 3, 3), ("rpn_head", "convs", j)) for j in range(convs)]
+            + rpn_head_entries(width, anchors)[1:])
+
+
+def box_head_entries_v2(width, conv_dim, convs, hidden):
+    """The Entries of torchvision's FastRCNNConvFCHead: `convs` 3x3 convs of `conv_dim` with batch norm, then
+    (after its Flatten, index `convs`) one Linear of `hidden` units on the flattened [conv_dim, 7, 7] map."""
+    from mrcnn_tf2.model.factory import BOX_ROI_SIZE
+
+    entries = [Entry(CONV_NORM, f"roi_heads.box_head.{i}.0", (conv_dim, width if i == 0 else conv_dim, 3, 3),
+                     ("box_head", "convs", i), bn_key=f"roi_heads.box_head.{i}.1") for i in range(convs)]
+    return entries + [Entry(DENSE, f"roi_heads.box_head.{convs + 1}", (hidden, conv_dim * BOX_ROI_SIZE ** 2),
+                            ("box_head", "fc6"), chw_input=(conv_dim, BOX_ROI_SIZE, BOX_ROI_SIZE))]
+
+
+def mask_head_entries_v2(width, mask_width):
+    """The Entries of torchvision's MaskRCNNHeads with batch norm in each of its MASK_HEAD_CONVS 3x3 convs."""
+    return [Entry(CONV_NORM, f"roi_heads.mask_head.{i}.0", (mask_width, width if i == 0 else mask_width, 3, 3),
+                  ("mask_head", "convs", i), bn_key=f"roi_heads.mask_head.{i}.1") for i in range(MASK_HEAD_CONVS)]
+
+
+def layout_v2(config):
+    """The Entries of torchvision's Mask R-CNN v2 (maskrcnn_resnet50_fpn_v2) for `config` (the torchvision_v2
+    preset, with its number of classes and ResNet depth), in state-dict order. Every batch norm is nn.BatchNorm2d
+    and is kept (CONV_NORM), the backbone's too."""
+    model = config.model
+    depth = int(model.backbone.removeprefix("resnet"))
+    width, hidden, mask_width = model.fpn_num_filters, model.fast_rcnn_mlp_head_dim, model.mrcnn_head_num_filters
+    return (resnet_entries(depth, CONV_NORM) + fpn_entries_v2(resnet_widths(depth), width)
+            + rpn_head_entries_v2(width, model.num_anchors, model.rpn_head_num_convs)
+            + box_head_entries_v2(width, model.fast_rcnn_conv_dim, model.fast_rcnn_num_convs, hidden)
+            + box_predictor_entries(hidden, model.num_classes) + mask_head_entries_v2(width, mask_width)
+            + mask_predictor_entries(mask_width, model.num_classes))
+
+
+# Each version's layout and preset, and a key only its state dicts hold.
+VERSIONS = {
+    "v1": dict(layout=layout_v1, preset="torchvision", builder="maskrcnn_resnet50_fpn",
+               key="roi_heads.box_head.fc6.weight"),
+    "v2": dict(layout=layout_v2, preset="torchvision_v2", builder="maskrcnn_resnet50_fpn_v2",
+               key="roi_heads.box_head.0.0.weight"),
+}
+
+
+def find_version(tensors, path):
+    """'v1' or 'v2': which torchvision Mask R-CNN the state dict `tensors` is, by VERSIONS' keys. Raises
+    ValueError naming the file and both keys when it holds neither or both."""
+    found = [version for version, known in VERSIONS.items() if known["key"] in tensors]
+    if len(found) != 1:
+        keys = " nor ".join(known["key"] for known in VERSIONS.values()) if not found else " and ".join(
+            VERSIONS[version]["key"] for version in found)
+        raise ValueError(f"{path}: neither torchvision's Mask R-CNN v1 nor v2: it holds "
+                         f"{'neither ' + keys if not found else keys}")
+    return found[0]
+
+
 # -- checks of a state dict --------------------------------------------------------------------------------------------
 
 
@@ -286,7 +364,7 @@ def check_tensors(tensors, entries, path, original=None):
     """
     original = original or {}
     expected = {key: shape for entry in entries for key, shape in entry.torch_shapes().items()}
-    counters = {f"{entry.bn_key}.{BN_COUNTER}" for entry in entries if entry.kind == CONV_BN}
+    counters = {f"{entry.bn_key}.{BN_COUNTER}" for entry in entries if entry.kind in NORM_KINDS}
     present = [key for key in expected if key in tensors]
     floating = [key for key in present if np.issubdtype(tensors[key].dtype, np.floating)]
     problems = {
@@ -311,7 +389,7 @@ def choose_bn_eps(tensors, entries, path, override=None):
     """
     if override is not None:
         return float(override), "--bn_eps"
-    norms = [entry.bn_key for entry in entries if entry.kind == CONV_BN]
+    norms = [entry.bn_key for entry in entries if entry.kind in NORM_KINDS]
     counted = [key for key in norms if f"{key}.{BN_COUNTER}" in tensors]
     if len(counted) == len(norms):
         return TORCH_BATCH_NORM_EPS, f"{BN_COUNTER} keys: nn.BatchNorm2d, whose eps is 1e-5"
@@ -362,7 +440,12 @@ def convert_entry(entry, tensors, eps):
     from mrcnn_tf2.model.backbone import BN_EPSILON
 
     weight = tensors[f"{entry.key}.weight"].astype(np.float64)
-    if entry.kind == CONV_BN:
+    if entry.kind == CONV_NORM:
+        gamma, beta, mean, var = (tensors[f"{entry.bn_key}.{name}"].astype(np.float64) for name in BN_PARAMETERS)
+        # Kept as a batch norm that may train; our epsilon is BN_EPSILON, so the variance takes the difference.
+        values = [(("conv", "kernel"), conv_kernel(weight)), (("bn", "gamma"), gamma), (("bn", "beta"), beta),
+                  (("bn", "moving_mean"), mean), (("bn", "moving_variance"), var + eps - BN_EPSILON)]
+    elif entry.kind == CONV_BN:
         scale, shift = fold_batch_norm(*(tensors[f"{entry.bn_key}.{name}"] for name in BN_PARAMETERS), eps)
         # Our batch norm keeps the folded affine map with moving mean 0 and this moving variance: in float32,
         # it + BN_EPSILON is exactly 1, so its scale gamma * rsqrt(var + eps) is gamma (to rsqrt's last bit).
@@ -383,7 +466,7 @@ def convert_entry(entry, tensors, eps):
 def convert_all(tensors, entries, eps, path):
     """[(entry, convert_entry(...))] for every entry. Raises ValueError naming every batch norm whose
     running_var + eps is not positive (its scale would be infinite)."""
-    degenerate = [f"{entry.bn_key}.running_var" for entry in entries if entry.kind == CONV_BN
+    degenerate = [f"{entry.bn_key}.running_var" for entry in entries if entry.kind in NORM_KINDS
                   and not np.all(tensors[f"{entry.bn_key}.running_var"].astype(np.float64) + eps > 0)]
     if degenerate:
         raise ValueError(f"{path}: running_var + eps {eps:g} is not positive in {', '.join(degenerate)}; "
