@@ -497,3 +497,37 @@ def test_an_output_dir_this_converter_did_not_write_is_not_replaced(tmp_path, st
     code, _, err = run_converter("--input", state_dict_files["frozen"], "--output_dir", output_dir)
     assert code == status.BAD_INPUT and f"--output_dir {output_dir}: not empty" in err
     assert os.listdir(output_dir) == ["ckpt-100.index"]
+
+
+# -- torchvision's v2 (maskrcnn_resnet50_fpn_v2) ---------------------------------------------------------------
+
+
+def test_the_converter_says_which_version_it_found(torchvision_v1, torchvision_v2):
+    assert "found torchvision's maskrcnn_resnet50_fpn: use --preset torchvision\n" in torchvision_v1["converter_output"]
+    assert "found torchvision's maskrcnn_resnet50_fpn_v2: use --preset torchvision_v2\n" in \
+        torchvision_v2["converter_output"]
+    saved = json.loads((torchvision_v2["model_dir"] / "config.json").read_text())["model"]
+    assert (saved["fpn_norm"], saved["rpn_head_num_convs"], saved["fast_rcnn_num_convs"]) == ("batch", 2, 4)
+
+
+@pytest.mark.parametrize("version, preset", [("v1", "torchvision_v2"), ("v2", "torchvision")])
+def test_a_file_of_the_other_version_than_the_preset_is_refused_naming_both(request, tmp_path, version, preset):
+    fixture = request.getfixturevalue(f"torchvision_{version}")
+    code, out, err = run_converter("--input", fixture["state_dict"], "--output_dir", tmp_path / "model",
+                                   "--preset", preset)
+    assert code == status.BAD_INPUT, (out, err)
+    found, other = ("maskrcnn_resnet50_fpn", "maskrcnn_resnet50_fpn_v2")[::1 if version == "v1" else -1]
+    assert f"holds torchvision's {found} (" in err and f"--preset {preset} is {other}" in err, err
+    assert not (tmp_path / "model").exists()
+
+
+def test_a_v2_file_with_missing_unexpected_and_mis_shaped_keys_names_them(tmp_path, torchvision_v2):
+    state_dict = torch.load(torchvision_v2["state_dict"], weights_only=True)
+    del state_dict["backbone.fpn.layer_blocks.1.1.running_mean"], state_dict["rpn.head.conv.1.0.bias"]
+    state_dict["roi_heads.box_head.6.weight"] = torch.ones(3)
+    state_dict["roi_heads.box_head.5.weight"] = torch.ones(1024, 256)
+    path = tmp_path / "maskrcnn_v2.pth"
+    torch.save(state_dict, path)
+    assert_refused(tmp_path, path, "2 missing: backbone.fpn.layer_blocks.1.1.running_mean, rpn.head.conv.1.0.bias",
+                   "1 unexpected: roi_heads.box_head.6.weight",
+                   "1 mis-shaped: roi_heads.box_head.5.weight [1024, 256], expected [1024, 12544]")
