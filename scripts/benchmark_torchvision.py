@@ -1,9 +1,11 @@
-"""Inference throughput of `main.py infer --benchmark --preset torchvision` next to torchvision's own, one run.
+"""Inference throughput of `main.py infer --benchmark --preset torchvision|torchvision_v2` next to torchvision's
+own, one run.
 
-    .venv/bin/python scripts/benchmark_torchvision.py                 # 3 alternated rounds, batch 1
-    .venv/bin/python scripts/benchmark_torchvision.py --rounds 5 --steps 20
+    .venv/bin/python scripts/benchmark_torchvision.py                 # v1, 3 alternated rounds, batch 1
+    .venv/bin/python scripts/benchmark_torchvision.py --model v2 --rounds 5 --steps 20
 
-Both sides run the same weights (a seeded torchvision maskrcnn_resnet50_fpn, converted by
+Both sides run the same weights (a seeded torchvision maskrcnn_resnet50_fpn, or maskrcnn_resnet50_fpn_v2 with
+--model v2, converted by
 weights/convert_torchvision.py; speed does not depend on the values) on the same generated 480x640 JPEG
 scenes resized as torchvision does (shorter side 800), one image per step, float32 on the CPU. Rounds
 alternate the two sides (A B, then B A) so that drifts of the machine fall on both. torchvision runs with
@@ -23,13 +25,13 @@ import tempfile
 from benchmark_model import ALLOCATORS
 from benchmark_pipeline import ROOT, generated_records
 
-# Run in a fresh interpreter: argv = state dict, photo folder, steps, warm-up steps; prints the img/s.
+# Run in a fresh interpreter: argv = state dict, photo folder, steps, warm-up steps, builder; prints the img/s.
 TORCHVISION_SIDE = """
 import glob, sys, time
 import numpy as np, torch, torchvision
 from PIL import Image
-state, folder, steps, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-model = torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None)
+state, folder, steps, warmup, builder = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+model = getattr(torchvision.models.detection, builder)(weights=None, weights_backbone=None)
 model.load_state_dict(torch.load(state, weights_only=True))
 model.eval()
 photos = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()).permute(2, 0, 1).float() / 255
@@ -44,11 +46,11 @@ with torch.no_grad():
 print(f"inference throughput: {len(times) / sum(times):.3f} img/s")
 """
 
-# Run in a fresh interpreter: argv = where to save the state dict of a seeded model.
+# Run in a fresh interpreter: argv = where to save the state dict of a seeded model, builder.
 SAVE_MODEL = """
 import sys, torch, torchvision
 torch.manual_seed(0)
-model = torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None)
+model = getattr(torchvision.models.detection, sys.argv[2])(weights=None, weights_backbone=None)
 torch.save(model.state_dict(), sys.argv[1])
 """
 
@@ -64,11 +66,16 @@ def throughput(command, env=None):
     return float(found.group(1))
 
 
-def prepare(workdir, num_photos):
-    """Photos, their TFRecords and a converted model in `workdir`: (photo folder, record pattern, state, model)."""
+# --model: (torchvision's builder, our preset).
+MODELS = {"v1": ("maskrcnn_resnet50_fpn", "torchvision"), "v2": ("maskrcnn_resnet50_fpn_v2", "torchvision_v2")}
+
+
+def prepare(workdir, num_photos, builder):
+    """Photos, their TFRecords and a converted model of torchvision's `builder` in `workdir`: (photo folder,
+    record pattern, state, model)."""
     records = generated_records(workdir, num_photos)
     state = os.path.join(workdir, "model.pth")
-    subprocess.run([sys.executable, "-c", SAVE_MODEL, state], check=True)
+    subprocess.run([sys.executable, "-c", SAVE_MODEL, state, builder], check=True)
     model_dir = os.path.join(workdir, "converted")
     subprocess.run([sys.executable, os.path.join(ROOT, "weights", "convert_torchvision.py"), "--input", state,
                     "--output_dir", model_dir], check=True, capture_output=True)
@@ -81,18 +88,22 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed images per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed images first")
     parser.add_argument("--photos", type=int, default=8, help="generated 480x640 scenes")
+    parser.add_argument("--model", choices=MODELS, default="v1",
+                        help="v1: maskrcnn_resnet50_fpn (--preset torchvision); v2: maskrcnn_resnet50_fpn_v2 "
+                             "(--preset torchvision_v2)")
     args = parser.parse_args(argv)
     jemalloc = dict(os.environ, **ALLOCATORS["jemalloc"])
     if not os.path.exists(ALLOCATORS["jemalloc"]["LD_PRELOAD"]):
         print("jemalloc not found (apt-get install libjemalloc2): torchvision runs with the default malloc")
         jemalloc = None
     with tempfile.TemporaryDirectory() as workdir:
-        photos, records, state, model_dir = prepare(workdir, args.photos)
-        ours = [sys.executable, os.path.join(ROOT, "main.py"), "infer", "--benchmark", "--preset", "torchvision",
+        builder, preset = MODELS[args.model]
+        photos, records, state, model_dir = prepare(workdir, args.photos, builder)
+        ours = [sys.executable, os.path.join(ROOT, "main.py"), "infer", "--benchmark", "--preset", preset,
                 "--model_dir", model_dir, "--config_override", f"data.validation_file_pattern={records}",
                 "--eval_batch_size", "1",
                 "--benchmark_steps", str(args.steps), "--log_warmup_steps", str(args.warmup)]
-        theirs = [sys.executable, "-c", TORCHVISION_SIDE, state, photos, str(args.steps), str(args.warmup)]
+        theirs = [sys.executable, "-c", TORCHVISION_SIDE, state, photos, str(args.steps), str(args.warmup), builder]
         results = {"package": [], "torchvision": []}
         for round_index in range(args.rounds):
             order = (("package", ours, None), ("torchvision", theirs, jemalloc))
@@ -100,7 +111,7 @@ def main(argv=None):
                 results[name].append(throughput(command, env))
                 print(f"round {round_index + 1} {name}: {results[name][-1]:.3f} img/s", flush=True)
     summary = {name: {"img_per_s": values, "mean": sum(values) / len(values)} for name, values in results.items()}
-    print(json.dumps({"photo_size": [480, 640], "batch_size": 1, **summary}))
+    print(json.dumps({"model": builder, "photo_size": [480, 640], "batch_size": 1, **summary}))
 
 
 if __name__ == "__main__":

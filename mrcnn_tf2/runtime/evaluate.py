@@ -91,7 +91,7 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
         if batch is None:
             break
         toc = time.perf_counter()
-        outputs = predict_batch(predict, batch, batch_size)
+        outputs = predict_batch(predict, batch, None if own_size else batch_size)
         time_s["input"] += toc - tic
         time_s["model"] += time.perf_counter() - toc
         tic = time.perf_counter()

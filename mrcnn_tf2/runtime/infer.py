@@ -263,7 +263,7 @@ def run(config):
     results, images, dropped = [], [], 0
     started = time.perf_counter()
     for chunk, batch in photo_batches(photos, preprocessor, batch_size):
-        outputs = predict_batch(predict, batch, batch_size)
+        outputs = predict_batch(predict, batch, None if config.data.pad_to_multiple is not None else batch_size)
         chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, encode_masks)
         results += chunk_results
         dropped += chunk_dropped

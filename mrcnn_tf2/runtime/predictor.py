@@ -54,22 +54,23 @@ def pad_batch(batch, batch_size):
             for key, value in batch.items()}
 
 
-def predict_batch(predict, batch, batch_size, count=None):
-    """The detections of a batch of b <= batch_size images, as NumPy arrays (waits for the device).
+def predict_batch(predict, batch, batch_size=None):
+    """The detections of a batch of b images, as NumPy arrays (waits for the device).
 
     Args:
       predict: `predict_function` of the model.
       batch: dict with images [b, H, W, 3] float32, image_info [b, 5] float32, source_ids [b] int64.
-      batch_size: B, the size `predict` was traced for (the batch is padded to it).
-      count: keep the first `count` images' outputs; None: all b.
+      batch_size: B >= b, the size `predict` runs at: a partial batch is padded to it, so that batches on the
+        canvas share one trace of static shapes. None: the batch runs as it is (batches padded to their own
+        size, whose shapes vary anyway: padding a batch of one shape to B would cost B images).
 
     Returns:
-      dict of [count, ...] arrays: the predict_step outputs of MaskRCNN (detection_boxes [count, D, 4] in
-      original-image pixels, detection_scores, detection_classes, detection_masks [count, D, R, R],
+      dict of [b, ...] arrays: the predict_step outputs of MaskRCNN (detection_boxes [b, D, 4] in
+      original-image pixels, detection_scores, detection_classes, detection_masks [b, D, R, R],
       num_detections, image_info, source_ids).
     """
-    count = int(batch["images"].shape[0]) if count is None else count
-    outputs = predict(pad_batch(batch, batch_size))
+    count = int(batch["images"].shape[0])
+    outputs = predict(batch if batch_size is None else pad_batch(batch, batch_size))
     return {key: value.numpy()[:count] for key, value in outputs.items()}
 
 
@@ -115,7 +116,8 @@ def load_model(config, require_checkpoint=True, export=False, announce=True):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
     Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
-    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses.
+    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses (with
+    data.pad_to_multiple, on one blank image of 2**max_level pixels a side).
     Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`)
     when `announce` (False on the ranks other than 0 of a job).
 
@@ -143,6 +145,11 @@ def load_model(config, require_checkpoint=True, export=False, announce=True):
         print(f"[model] {ops.describe()}", flush=True)
     height, width = config.data.image_size
     batch_size = config.eval.eval_batch_size
+    if config.data.pad_to_multiple is not None:
+        # Batches padded to their own size vary in shape anyway: the smallest input whose FPN levels all exist
+        # builds the variables, instead of batch_size images of the whole canvas.
+        height = width = 2 ** config.model.anchors.max_level
+        batch_size = 1
     # A blank batch shaped like the evaluation batches builds the variables through the same trace that
     # evaluation then reuses (an eager build would cost as much as that trace again).
     predict_function(model, config.runtime.eagerly)({
