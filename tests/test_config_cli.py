@@ -386,8 +386,9 @@ def test_help_lists_the_presets():
     result = subprocess.run([sys.executable, "main.py", "eval", "--help"], cwd=ROOT, capture_output=True, text=True,
                             check=True)
     text = " ".join(result.stdout.split())
-    assert "--preset {demo,torchvision}" in text and "demo: the README's demo" in text
+    assert "--preset {demo,torchvision,torchvision_v2}" in text and "demo: the README's demo" in text
     assert "torchvision: torchvision's maskrcnn_resnet50_fpn conventions" in text
+    assert "torchvision_v2: torchvision's maskrcnn_resnet50_fpn_v2" in text
 
 
 def test_saved_config_is_the_base_of_later_commands_without_its_per_command_settings(tmp_path):

@@ -197,7 +197,7 @@ def test_the_batch_norm_eps_follows_num_batches_tracked_and_is_printed(converted
         model_dir, out = converted[kind]
         with open(model_dir / conv.CONVERSION_FILE) as f:
             assert json.load(f)["bn_eps"] == eps
-        assert out.splitlines()[0].startswith(f"batch norm eps {eps:g} (")
+        assert out.splitlines()[1].startswith(f"batch norm eps {eps:g} (")  # after the version found
     assert "num_batches_tracked keys: nn.BatchNorm2d" in converted["batch_norm"][1]
     assert "no num_batches_tracked keys: FrozenBatchNorm2d" in converted["frozen"][1]
 
@@ -210,7 +210,7 @@ def test_the_model_directory_holds_a_training_checkpoint_and_the_presets_config(
     saved = load_saved_config(str(model_dir))
     for key, value in presets.values("torchvision").items():
         assert saved[key] == (FROZEN_CLASSES if key == "model.num_classes" else value), key
-    summary = out.splitlines()[1]
+    summary = out.splitlines()[2]
     assert summary == (f"wrote {model_dir}: 307 tensors converted (0 num_batches_tracked ignored), "
                        f"{FROZEN_CLASSES} classes, from frozen.pth")
     assert "53 num_batches_tracked ignored" in converted["batch_norm"][1]
@@ -278,7 +278,7 @@ def test_bn_eps_override_changes_the_folding_and_is_printed(torch_models, state_
     code, out, err = run_converter("--input", state_dict_files["frozen"], "--output_dir", model_dir,
                                    "--bn_eps", "1e-5")
     assert code == status.OK, err
-    assert out.splitlines()[0] == "batch norm eps 1e-05 (--bn_eps)"
+    assert out.splitlines()[1] == "batch norm eps 1e-05 (--bn_eps)"
     state_dict = torch_models["frozen"].state_dict()
     overridden, default = checkpoint_values(model_dir), checkpoint_values(converted["frozen"][0])
     for ours, bn in (("model/backbone/stem/bn", "backbone.body.bn1"),
