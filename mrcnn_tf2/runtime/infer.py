@@ -48,14 +48,8 @@ from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.evaluation.visualize import draw_detections
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime.benchmark import report_benchmark
-from mrcnn_tf2.runtime.predictor import (
-    concat_batches,
-    load_model,
-    pad_batch,
-    predict_batch,
-    predict_function,
-    same_shape_batches,
-)
+from mrcnn_tf2.runtime.predictor import (concat_batches, load_model, pad_batch, predict_batch, predict_function,
+                                         same_shape_batches)
 
 PREDICTIONS_FILE = "predictions.json"
 IMAGES_FILE = "images.json"
