@@ -57,10 +57,10 @@ def config_for(custom_ops="auto", xla=False):
 
 @pytest.mark.parametrize("custom_ops, xla, export, cpu, gpu", [
     # (fused stages, fused input pipeline and mask encoding, conv route) on the CPU and on the GPU
-    ("auto", False, False, (True, True, conv_ops.WINOGRAD), (False, True, conv_ops.CUDNN)),
-    ("auto", True, False, (True, True, conv_ops.CPU), (False, True, conv_ops.CUDNN)),
-    ("off", False, False, (False, False, conv_ops.CPU), (False, False, conv_ops.CUDNN)),
-    ("on", False, True, (False, False, conv_ops.CPU), (False, False, conv_ops.CUDNN)),  # export: 'on' is ignored
+    ("auto", False, False, (True, True, conv_ops.WINOGRAD), (False, True, conv_ops.PLAIN)),
+    ("auto", True, False, (True, True, conv_ops.CPU), (False, True, conv_ops.PLAIN)),
+    ("off", False, False, (False, False, conv_ops.CPU), (False, False, conv_ops.PLAIN)),
+    ("on", False, True, (False, False, conv_ops.PLAIN), (False, False, conv_ops.PLAIN)),  # export: 'on' ignored
 ])
 def test_choose_ops_on_each_device(device, custom_ops, xla, export, cpu, gpu):
     ops = choose_ops(config_for(custom_ops, xla), export=export)
@@ -94,7 +94,7 @@ def test_main_py_says_custom_ops_on_needs_a_cpu(monkeypatch, capsys, shapes_reco
 
 def test_the_choice_in_one_line(monkeypatch):
     monkeypatch.setattr(conv_ops, "ONEDNN", True)
-    gpu = dict(device="GPU", fused=False, fused_host=True, conv_route=conv_ops.CUDNN, jit_dense=True)
+    gpu = dict(device="GPU", fused=False, fused_host=True, conv_route=conv_ops.PLAIN, jit_dense=True)
     assert OpChoice(**gpu).describe() == (
         "ops on the GPU: convs by TensorFlow's convolutions and gradients (cuDNN's on a GPU); proposals, RoIAlign "
         "and mask targets by the pure-TF twins; RPN targets (input pipeline) by the fused op; mask encoding by "

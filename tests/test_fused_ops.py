@@ -102,9 +102,9 @@ def test_factory_passes_the_choice_to_the_stages():
                                     ("on", True, True, False)]:
         config.runtime.custom_ops, config.runtime.xla = mode, xla
         ops = choose_ops(config, export=export)
-        winograd = conv_ops.WINOGRAD if want and not xla else conv_ops.CPU
+        route = conv_ops.PLAIN if export else conv_ops.WINOGRAD if want and not xla else conv_ops.CPU
         assert (ops.device, ops.fused, ops.fused_host, ops.conv_route, ops.jit_dense) == (
-            "CPU", want, want, winograd, xla and not export)
+            "CPU", want, want, route, xla and not export)
         # The input pipeline's anchor labelling and the mask encoding follow the same choice.
         assert ops.rpn_targets is (fused.rpn_targets if want else anchor_ops.rpn_targets)
         assert ops.mask_encoder is (fused.encode_pasted_masks if want else masks.encode_pasted_masks)
@@ -116,7 +116,7 @@ def test_factory_passes_the_choice_to_the_stages():
         # The convs' fused ops would be inside the layers that --xla compiles: off there.
         convs = (model.backbone, model.backbone.groups[0][0].convs[1], model.fpn, model.fpn.output_convs[2],
                  model.rpn_head.conv, model.mask_head.convs[0])
-        assert [layer.conv_route for layer in convs] == [winograd] * len(convs)
+        assert [layer.conv_route for layer in convs] == [route] * len(convs)
 
 
 # -- 3x3 convolution (Winograd) ----------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_conv2d_takes_winograd_only_where_it_pays(monkeypatch):
     big, small = tf.zeros([blocks, 4, 4, 2]), tf.zeros([blocks - 1, 4, 4, 2])
     conv_ops.conv2d(big, kernel, route=conv_ops.WINOGRAD)
     for args, kwargs in [((small, kernel), {}), ((big, kernel), {"route": conv_ops.CPU}),
-                         ((big, kernel), {"route": conv_ops.CUDNN}),
+                         ((big, kernel), {"route": conv_ops.PLAIN}),
                          ((big, kernel, 1, "VALID"), {}), ((big[:, :3], kernel, 2), {}),
                          ((tf.cast(big, tf.bfloat16), tf.cast(kernel, tf.bfloat16)), {}),
                          ((big, tf.zeros([1, 1, 2, 2])), {})]:

@@ -125,13 +125,18 @@ def test_empty_image_and_extreme_deltas_give_padding_not_nan(anchors, rng):
 
 
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
-def test_low_precision_inputs_under_tf_function_and_xla(anchors, rng, dtype):
+def test_low_precision_inputs_in_a_tf_function_of_unknown_batch_size(anchors, rng, dtype):
+    """The batch size unknown when traced (an exported model's signature): NMS runs per image in a loop op."""
     scores, boxes = rpn_outputs(rng, 2)
     image_hw = np.array([[64.0, 96.0], [64.0, 96.0]], np.float32)
     cast = lambda d: {level: tf.cast(v, dtype) for level, v in d.items()}  # noqa: E731
     rounded = lambda d: {level: tf.cast(v, tf.float32).numpy() for level, v in cast(d).items()}  # noqa: E731
+    signature = ({level: tf.TensorSpec([None, *v.shape[1:]], dtype) for level, v in scores.items()},
+                 {level: tf.TensorSpec([None, *v.shape[1:]], dtype) for level, v in boxes.items()},
+                 tf.TensorSpec([None, 2], tf.float32))
     fn = tf.function(lambda s, b, hw: roi_ops.multilevel_propose_rois(s, b, anchors, hw, 50, 40, 0.7),
-                     jit_compile=True)
+                     input_signature=signature)
+    assert any("While" in op.type for op in fn.get_concrete_function().graph.get_operations())
     out = fn(cast(scores), cast(boxes), image_hw)
     assert out["rois"].dtype == tf.float32 and out["roi_scores"].dtype == tf.float32
     expected_rois, expected_scores = np_propose(

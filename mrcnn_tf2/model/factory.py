@@ -65,7 +65,7 @@ class OpChoice:
         """The choice in one line, which a run prints once at start-up."""
         onednn = ", oneDNN's batch-of-one routes" if conv_ops.ONEDNN else ""
         cpu = f"the CPU routes (kernel gradients as matrix products{onednn})"
-        convs = {conv_ops.CUDNN: "TensorFlow's convolutions and gradients (cuDNN's on a GPU)",
+        convs = {conv_ops.PLAIN: "TensorFlow's convolutions and gradients (cuDNN's on a GPU)",
                  conv_ops.CPU: cpu,
                  conv_ops.WINOGRAD: f"Winograd's fused op (float32 3x3) and {cpu}"}[self.conv_route]
         stages = "fused ops" if self.fused else "pure-TF twins"
@@ -85,8 +85,9 @@ def choose_ops(config, export=False):
     it. On a GPU (`devices.run_device`): the fused ops have CPU kernels only, so the model holds none:
     its convs are TensorFlow's (cuDNN's) and its stages the pure-TF twins; 'auto' keeps the fused ops
     that run on the host anyway (the input pipeline's RPN targets, the mask encoding), and 'on', which
-    asks for them in the model too, is an error. `export=True`: the pure-TF twins and no XLA, whatever the
-    flags say, because an exported SavedModel must load in any TensorFlow process without the ops library.
+    asks for them in the model too, is an error. `export=True`: the pure-TF twins, plain convolutions and no XLA, whatever the
+    flags say, because an exported model must load in any TensorFlow process without the ops library, and
+    convert to other runtimes whichever machine exported it.
 
     Args:
       config: a mrcnn_tf2.config.Config (reads runtime.custom_ops, runtime.xla, model.test.mask_paste).
@@ -108,8 +109,8 @@ def choose_ops(config, export=False):
     library = not export and fused_ops.use_fused(config.runtime.custom_ops)
     fused = library and device == "CPU"
     xla = config.runtime.xla and not export
-    if device == "GPU":
-        conv_route = conv_ops.CUDNN
+    if device == "GPU" or export:
+        conv_route = conv_ops.PLAIN
     elif fused and not xla:  # Winograd's op would sit inside the XLA-compiled layers, which cannot hold it
         conv_route = conv_ops.WINOGRAD
     else:

@@ -33,7 +33,8 @@ measured against oneDNN's kernels only, and cost extra passes over memory (a fli
 product per tap); a GPU runs cuDNN's own kernels instead. `conv2d`'s `route` says which convolution runs;
 the model's layers take it from `mrcnn_tf2.model.factory.choose_ops`, which picks it for the run's device:
 
-- CUDNN: tf.nn.conv2d and TensorFlow's own gradients, nothing else (on a GPU, cuDNN's kernels);
+- PLAIN: tf.nn.conv2d and TensorFlow's own gradients, nothing else (on a GPU, cuDNN's kernels; in an
+  exported model, the convolution every converter takes, whichever machine exported it);
 - CPU: the matrix-product kernel gradient, and oneDNN's batch-of-one routes when its kernels are on;
 - WINOGRAD: CPU, with Winograd's fused route for the 3x3 convs it suits.
 
@@ -47,8 +48,8 @@ from mrcnn_tf2.ops import fused as fused_ops
 
 ONEDNN = _pywrap_util_port.IsMklEnabled()
 
-CUDNN, CPU, WINOGRAD = "cudnn", "cpu", "winograd"
-ROUTES = (CUDNN, CPU, WINOGRAD)
+PLAIN, CPU, WINOGRAD = "plain", "cpu", "winograd"
+ROUTES = (PLAIN, CPU, WINOGRAD)
 
 
 def kernel_gradient(inputs, out_grad, kernel_shape, padding):
@@ -205,7 +206,7 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
       bias: [C_out] or None.
       residual: [B, H_out, W_out, C_out] or None.
       relu: whether a ReLU ends the block.
-      route: CUDNN, CPU or WINOGRAD (module docstring). WINOGRAD: a float32 3x3 stride-1 'SAME' conv runs
+      route: PLAIN, CPU or WINOGRAD (module docstring). WINOGRAD: a float32 3x3 stride-1 'SAME' conv runs
         Winograd's fused ops (`fused_ops.conv2d_3x3`); the kernel gradient is CPU's either way.
 
     Returns:
@@ -216,7 +217,7 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
     kernel = tf.convert_to_tensor(kernel)
     rows = inputs.shape[1]
-    if route != CUDNN and strides == 1 and tuple(kernel.shape[:2]) == (1, 1):
+    if route != PLAIN and strides == 1 and tuple(kernel.shape[:2]) == (1, 1):
         padding = "SAME"  # 'VALID' is the same conv for a 1x1 kernel, and 'SAME' can take the batch-of-one route
         if ONEDNN and inputs.shape[0] == 1 and rows is not None and rows % 2 == 0:
             # A 1x1 conv treats every pixel alike, so an image is also two images of half its height: a batch
@@ -236,7 +237,7 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
 def _block(inputs, kernel, strides, padding, bias, residual, relu, route):
     """conv2d's block: the conv (on the CPU routes under its custom gradient) followed by the ops oneDNN
     fuses into it."""
-    if route == CUDNN:
+    if route == PLAIN:
         outputs = tf.nn.conv2d(inputs, kernel, strides, padding)
     else:
         outputs = _cpu_conv(inputs, kernel, strides, padding, route)

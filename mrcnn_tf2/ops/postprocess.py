@@ -17,7 +17,7 @@ Glossary: B batch, N RoIs, K classes including background, D ``max_detections``.
 """
 import tensorflow as tf
 
-from mrcnn_tf2.ops import box_ops
+from mrcnn_tf2.ops import box_ops, nms
 
 # Score given to dropped candidates: below every softmax score, so NMS (run with
 # _NMS_SCORE_THRESHOLD) discards them and they can suppress nothing.
@@ -113,14 +113,21 @@ def generate_detections(class_logits, box_deltas, rois, image_hw, max_detections
         boxes = tf.gather(tf.transpose(boxes, [0, 2, 1, 3]), top.indices, batch_dims=2)  # [B, K-1, n, 4]
         boxes = tf.transpose(boxes, [0, 2, 1, 3])
 
-    nmsed_boxes, nmsed_scores, nmsed_classes, num_detections = tf.image.combined_non_max_suppression(
-        boxes, scores, max_output_size_per_class=max_detections, max_total_size=max_detections,
-        iou_threshold=nms_threshold, score_threshold=_NMS_SCORE_THRESHOLD, pad_per_class=False,
-        clip_boxes=False)
-    # combined_non_max_suppression pads boxes, scores and classes with 0; class indices are 0-based over
-    # the foreground columns, so shift them and keep the padding at 0.
-    filled = tf.range(max_detections)[None, :] < num_detections[:, None]
-    classes = tf.where(filled, tf.cast(nmsed_classes, tf.int32) + 1, 0)
+    # NMS within each class as one NMS over all classes (torchvision's batched_nms): each class's boxes shifted by
+    # (class id) * (largest coordinate + 1), so that boxes of different classes never overlap.
+    num_classes = scores.shape[2]
+    batch = scores.shape[0] if scores.shape[0] is not None else tf.shape(scores)[0]  # static when known: no loop
+    scores = tf.reshape(scores, [batch, -1])  # [B, n * (K-1)]: candidate i is class i % (K-1)
+    boxes = tf.reshape(boxes, [batch, -1, 4])
+    candidate_class = tf.tile(tf.range(1, num_classes + 1), [tf.shape(scores)[1] // num_classes])
+    largest = tf.reduce_max(tf.where(scores[..., None] > _NMS_SCORE_THRESHOLD, boxes, 0.0), axis=[1, 2])  # [B]
+    offsets = tf.cast(candidate_class, tf.float32)[None, :] * (largest[:, None] + 1.0)
+    selected, num_detections = nms.non_max_suppression(boxes + offsets[..., None], scores, max_detections,
+                                                       nms_threshold, _NMS_SCORE_THRESHOLD)
+    filled = tf.range(max_detections)[None, :] < num_detections[:, None]  # [B, D]
+    classes = tf.where(filled, tf.gather(candidate_class, selected), 0)
+    nmsed_scores = tf.where(filled, tf.gather(scores, selected, batch_dims=1), 0.0)
+    nmsed_boxes = tf.where(filled[..., None], tf.gather(boxes, selected, batch_dims=1), 0.0)
     return {
         "detection_boxes": nmsed_boxes,
         "detection_scores": nmsed_scores,

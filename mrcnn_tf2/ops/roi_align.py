@@ -35,6 +35,7 @@ Glossary: B batch, N boxes, C channels, R output_size, s sampling_ratio, S = R *
 """
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from mrcnn_tf2.ops import box_ops
@@ -116,8 +117,10 @@ def _bin_weights(tap_weights, output_size, sampling_ratio):
     """
     taps_per_bin = 2 * sampling_ratio
     # bin_of_tap[r, t] is 1 where tap t belongs to a sample of bin r.
-    bin_of_tap = tf.repeat(tf.eye(output_size, dtype=tf.float32), taps_per_bin, axis=1)  # [R, 2S]
-    return tap_weights[:, :, None, :] * bin_of_tap / float(sampling_ratio)
+    # A constant, not tf.eye: OpenVINO converts no MatrixDiag op.
+    bin_of_tap = tf.constant(np.repeat(np.eye(output_size, dtype=np.float32), taps_per_bin, axis=1))  # [R, 2S]
+    # expand_dims, not [:, :, None, :]: TFLite's builtin StridedSlice takes no new axis.
+    return tf.expand_dims(tap_weights, 2) * bin_of_tap / float(sampling_ratio)
 
 
 def _check_features(features):

@@ -12,7 +12,7 @@ M_l = H_l*W_l*A anchors of level l.
 """
 import tensorflow as tf
 
-from mrcnn_tf2.ops import box_ops
+from mrcnn_tf2.ops import box_ops, nms
 from mrcnn_tf2.ops.anchors import RPN_BOX_WEIGHTS
 
 # Score of an output slot that holds no proposal; real proposals have sigmoid scores in (0, 1).
@@ -60,12 +60,10 @@ def _propose_level(logits, deltas, anchors, image_hw, pre_nms_topn, post_nms_top
     keep = tf.logical_and(tf.minimum(heights, widths) >= min_size, tf.minimum(heights, widths) > 0.0)
     scores = tf.where(keep, tf.sigmoid(top_logits), _DROPPED_SCORE)
 
-    # Inputs are already in descending score order; dropped boxes stay in place but are zeroed by the
-    # score threshold and can neither be selected nor suppress others. A box is suppressed by an earlier
-    # selected one when their IoU >= nms_threshold.
-    selected, num_valid = tf.image.non_max_suppression_padded(
-        boxes, scores, num_kept, iou_threshold=nms_threshold, score_threshold=_DROP_SCORE_THRESHOLD,
-        pad_to_max_output_size=True, sorted_input=True, canonicalized_coordinates=True)  # [B, N_l], [B]
+    # Dropped boxes stay in place but are below the score threshold: they can neither be selected nor
+    # suppress others. A box is suppressed by an earlier selected one when their IoU >= nms_threshold.
+    selected, num_valid = nms.non_max_suppression(boxes, scores, num_kept, nms_threshold, _DROP_SCORE_THRESHOLD,
+                                                  at_threshold=True)  # [B, N_l], [B]
     valid = tf.range(num_kept)[None, :] < num_valid[:, None]
     return (tf.gather(boxes, selected, batch_dims=1), tf.gather(scores, selected, batch_dims=1), valid)
 
