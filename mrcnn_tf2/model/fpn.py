@@ -33,7 +33,8 @@ def upsample2x(x):
     """Nearest-neighbour 2x upsampling, [B, H, W, C] -> [B, 2H, 2W, C], one broadcast copy."""
     shape = tf.shape(x)
     batch, height, width, channels = shape[0], shape[1], shape[2], shape[3]
-    x = tf.broadcast_to(x[:, :, None, :, None, :], [batch, height, 2, width, 2, channels])
+    # A reshape, not x[:, :, None, :, None, :]: TFLite's builtin StridedSlice takes no new axis.
+    x = tf.broadcast_to(tf.reshape(x, [batch, height, 1, width, 1, channels]), [batch, height, 2, width, 2, channels])
     static = x.shape
     out = tf.reshape(x, [batch, 2 * height, 2 * width, channels])
     return tf.ensure_shape(out, [static[0], _times2(static[1]), _times2(static[3]), static[5]])
@@ -94,7 +95,9 @@ class FPN(TracksSublayers, keras.layers.Layer):
                                            training=training)
             outputs[level] = self.output_convs[level](top_down, training=training)
         for level in range(BACKBONE_MAX_LEVEL + 1, self.max_level + 1):
-            outputs[level] = outputs[level - 1][:, ::2, ::2, :]
+            # Every other pixel, as a 1x1 max pool of stride 2 (torchvision's LastLevelMaxPool): OpenVINO
+            # infers the wrong shape for a strided slice of a dynamic size.
+            outputs[level] = tf.nn.max_pool2d(outputs[level - 1], 1, 2, "VALID")
         return {level: outputs[level] for level in range(self.min_level, self.max_level + 1)}
 
     def get_config(self):

@@ -74,7 +74,7 @@ def grid_anchors(base, grid_hw, stride_hw, offset):
     yc = (tf.range(grid_hw[0], dtype=tf.float32) + offset) * stride[0]
     xc = (tf.range(grid_hw[1], dtype=tf.float32) + offset) * stride[1]
     yc, xc = tf.meshgrid(yc, xc, indexing="ij")  # [H, W] each
-    centres = tf.stack([yc, xc, yc, xc], axis=-1)[:, :, None, :]  # [H, W, 1, 4]
+    centres = tf.expand_dims(tf.stack([yc, xc, yc, xc], axis=-1), 2)  # [H, W, 1, 4]
     return tf.reshape(centres + tf.constant(base, tf.float32), [-1, 4])
 
 
