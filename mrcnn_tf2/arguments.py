@@ -15,9 +15,9 @@ import glob
 import os
 
 from mrcnn_tf2 import presets
-from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, MODEL_DEFINING_KEYS, PER_COMMAND_KEYS,
-                              PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, Config, ConfigError, field_paths,
-                              load_saved_config)
+from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, EXPORT_FORMATS, MODEL_DEFINING_KEYS,
+                              PER_COMMAND_KEYS, PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, Config, ConfigError,
+                              field_paths, load_saved_config)
 from mrcnn_tf2.status import BAD_INPUT
 
 MODES = ("train", "eval", "infer", "export")
@@ -164,7 +164,16 @@ _FLAGS = {
         "infer.visualize_score_threshold",
         dict(type=float, help="detections scoring below this are not drawn"),
     ),
-    "export_dir": ("export.export_dir", dict(help="SavedModel directory (None: <model_dir>/saved_model)")),
+    "export_dir": (
+        "export.export_dir", dict(help="directory of the exported artefacts (None: <model_dir>/saved_model)"),
+    ),
+    "format": (
+        "export.formats",
+        dict(nargs="+", choices=EXPORT_FORMATS,
+             help="export: artefacts to write; saved_model holds TensorFlow's signatures, the others one graph per "
+                  "image for onnxruntime, LiteRT (float32, float16 weights) and OpenVINO (optional extras: "
+                  "pip install mrcnn-tf2[onnx|tflite|openvino])"),
+    ),
     "custom_ops": (
         "runtime.custom_ops",
         dict(choices=CUSTOM_OPS_MODES,

@@ -301,10 +301,12 @@ class InferConfig:
 
 @dataclass
 class ExportConfig:
-    """`main.py export`: where the SavedModel goes."""
+    """`main.py export`: which artefacts, and the directory they go to."""
 
     # None: <model_dir>/saved_model.
     export_dir: Optional[str] = None
+    # Any of EXPORT_FORMATS (mrcnn_tf2.runtime.deploy tells what each writes).
+    formats: tuple[str, ...] = ("saved_model",)
 
     def resolved_export_dir(self, model_dir: str) -> str:
         return self.export_dir or f"{model_dir.rstrip('/')}/saved_model"
@@ -460,6 +462,10 @@ class Config:
             raise ConfigError("--amp_dtype", f"'{self.runtime.amp_dtype}' is not one of {AMP_DTYPES}")
         if self.runtime.custom_ops not in CUSTOM_OPS_MODES:
             raise ConfigError("--custom_ops", f"'{self.runtime.custom_ops}' is not one of {CUSTOM_OPS_MODES}")
+        unknown = [name for name in self.export.formats if name not in EXPORT_FORMATS]
+        if unknown or not self.export.formats:
+            raise ConfigError("--format", f"{', '.join(unknown) or 'nothing'}: name one or more of "
+                                          f"{', '.join(EXPORT_FORMATS)}")
         train = self.train
         if train.backbone_checkpoint is not None and train.init_checkpoint is not None:
             # The init checkpoint's backbone would replace the pretrained one: one of them is a mistake.
@@ -550,6 +556,9 @@ PER_COMMAND_SECTIONS = ("infer.", "export.")
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
+# `main.py export --format`: TensorFlow's SavedModel, and one graph per image for each other runtime (TFLite at
+# float32 and with float16 weights).
+EXPORT_FORMATS = ("saved_model", "onnx", "tflite", "tflite_fp16", "openvino")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 MASK_PASTES = ("exact", "torchvision")
 NORMS = ("none", "batch")

@@ -71,13 +71,16 @@ if [ "${SETUP_HOROVOD:-1}" != 0 ]; then
   bash scripts/build_horovod.sh "$VENV/bin/python"
 fi
 # The test-only dependencies (requirements-test.txt: torch and torchvision, about 5.5 GB with their CUDA
-# libraries). SETUP_TEST_DEPS=0 skips them: the package and the demo never import them.
+# libraries) and the package's optional deployment extras (pyproject.toml), which the tests exercise.
+# SETUP_TEST_DEPS=0 skips them: training, evaluation and the demo never import them.
 if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
   stamp="$VENV/.requirements-test.sha256"
-  want=$(sha256sum requirements-test.txt | cut -d' ' -f1)
+  want=$(cat requirements-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[setup] installing requirements-test.txt into $VENV"
+    echo "[setup] installing requirements-test.txt and the extras onnx, tflite, openvino into $VENV"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements-test.txt
+    # Their dependencies are new packages only: pip keeps the installed pins, which satisfy them.
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-build-isolation -e ".[onnx,tflite,openvino]"
     echo "$want" > "$stamp"
   fi
 fi

@@ -85,9 +85,9 @@ def choose_ops(config, export=False):
     it. On a GPU (`devices.run_device`): the fused ops have CPU kernels only, so the model holds none:
     its convs are TensorFlow's (cuDNN's) and its stages the pure-TF twins; 'auto' keeps the fused ops
     that run on the host anyway (the input pipeline's RPN targets, the mask encoding), and 'on', which
-    asks for them in the model too, is an error. `export=True`: the pure-TF twins, plain convolutions and no XLA, whatever the
-    flags say, because an exported model must load in any TensorFlow process without the ops library, and
-    convert to other runtimes whichever machine exported it.
+    asks for them in the model too, is an error. `export=True`: the pure-TF twins, plain convolutions and
+    no XLA, whatever the flags say, because an exported model must load in any TensorFlow process without
+    the ops library, and convert to other runtimes whichever machine exported it.
 
     Args:
       config: a mrcnn_tf2.config.Config (reads runtime.custom_ops, runtime.xla, model.test.mask_paste).

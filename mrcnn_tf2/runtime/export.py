@@ -1,6 +1,8 @@
-"""`main.py export`: a SavedModel of the newest checkpoint in model_dir, for serving without this package.
+"""`main.py export`: the newest checkpoint in model_dir as a SavedModel for serving without this package, and as
+graphs for other runtimes (`--format`, `mrcnn_tf2.runtime.deploy`), all in one directory with the run's
+config.json (and label_map.json when the model directory has one).
 
-Signatures (a batch of B images per call, any B >= 1):
+The SavedModel's signatures (a batch of B images per call, any B >= 1):
   serving_default(images: uint8 [B, H, W, 3])   RGB images of any one size H x W per call
   serving_bytes(image_bytes: string [B])        encoded JPEG / PNG / BMP / GIF (first frame), any sizes;
                                                 grayscale becomes RGB, alpha is dropped, EXIF is ignored;
@@ -18,16 +20,20 @@ D = model.test.test_detections_per_image, R = model.mrcnn_resolution.
 
 The model is built for export (`factory.choose_ops(config, export=True)`: the pure-TF ops, whatever
 --custom_ops says): the SavedModel loads in any TensorFlow process, without this package or its custom-op
-library. It is written atomically (`mrcnn_tf2.files.atomic_path`): an export_dir that exists is complete.
+library. The directory is written atomically (`mrcnn_tf2.files.atomic_path`): an export_dir that exists is
+complete.
 """
 
 import os
+import shutil
 import sys
 
 import tensorflow as tf
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data import preprocess
+from mrcnn_tf2.runtime import deploy
+from mrcnn_tf2.runtime.infer import LABEL_MAP_FILE
 from mrcnn_tf2.runtime.predictor import load_model
 
 SIGNATURES = ("serving_default", "serving_bytes")
@@ -91,8 +97,8 @@ class ServingModule(tf.Module):
         return self._detect_each(*self._preprocess_each(decode_and_preprocess, image_bytes))
 
 
-def export_saved_model(model, preprocessor, export_dir):
-    """Saves `model` with both serving signatures to `export_dir` (replaced when it exists), atomically.
+def write_saved_model(model, preprocessor, export_dir):
+    """Saves `model` with both serving signatures into the directory `export_dir`.
 
     Args:
       model: a built MaskRCNN made for export (`build_model(config, export=True)`: pure-TF ops).
@@ -100,21 +106,52 @@ def export_saved_model(model, preprocessor, export_dir):
       export_dir: the SavedModel directory.
     """
     module = ServingModule(model, preprocessor)
+    tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve_images,
+                                                       "serving_bytes": module.serve_bytes})
+
+
+def export(config, model, export_dir):
+    """Writes the artefacts of config.export.formats, the run's config.json and the model directory's class names
+    (if any) into `export_dir` (replaced when it exists), atomically: a failed conversion leaves nothing.
+
+    Args:
+      config: the run's Config.
+      model: a built MaskRCNN made for export.
+      export_dir: the directory.
+    """
+    formats = config.export.formats
+    preprocessor = preprocess.Preprocessor(config.data)
     with files.atomic_path(os.path.abspath(export_dir)) as temporary:
-        tf.saved_model.save(module, temporary, signatures={"serving_default": module.serve_images,
-                                                           "serving_bytes": module.serve_bytes})
+        os.makedirs(temporary)
+        if "saved_model" in formats:
+            write_saved_model(model, preprocessor, temporary)
+        others = [fmt for fmt in formats if fmt != "saved_model"]
+        if others:
+            function = deploy.detect_function(model, None if preprocessor.pad_to_multiple else
+                                              preprocessor.image_size)
+        for fmt in others:
+            deploy.convert(fmt, function, os.path.join(temporary, deploy.ARTEFACTS[fmt][0]))
+        config.save(temporary)
+        label_map = os.path.join(config.runtime.model_dir, LABEL_MAP_FILE)
+        if os.path.isfile(label_map):
+            shutil.copy(label_map, temporary)
 
 
 def run(config):
     """Entry point of `main.py export`; returns the exit status."""
     try:
+        for fmt in config.export.formats:
+            if fmt != "saved_model":
+                deploy.require_extra(fmt)
         loaded = load_model(config, export=True)
     except ValueError as err:
         print(f"[export] error: {err}", file=sys.stderr)
         return status.BAD_INPUT
     export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
     os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
-    export_saved_model(loaded.model, preprocess.Preprocessor(config.data), export_dir)
-    print(f"[export] checkpoint {loaded.checkpoint} (step {loaded.step}) -> {export_dir} "
-          f"(signatures {', '.join(SIGNATURES)})", flush=True)
+    export(config, loaded.model, export_dir)
+    written = [("SavedModel (signatures " + ", ".join(SIGNATURES) + ")") if fmt == "saved_model"
+               else deploy.ARTEFACTS[fmt][0] for fmt in config.export.formats]
+    print(f"[export] checkpoint {loaded.checkpoint} (step {loaded.step}) -> {export_dir}: {'; '.join(written)}",
+          flush=True)
     return status.OK

@@ -1,0 +1,165 @@
+"""The model for runtimes other than TensorFlow: ONNX (onnxruntime), TFLite (LiteRT) and OpenVINO.
+
+Each artefact holds `MaskRCNN.detect` of one image, built for export (`factory.choose_ops(export=True)`: plain
+convolutions, the pure-TF stages, per-image NonMaxSuppressionV5), so it is the same graph whichever machine
+exports it, and the same detections as the SavedModel. Inputs:
+  images      float32 [1, H, W, 3]  the image resized, normalised and padded by `mrcnn_tf2.data.preprocess` (as
+                                    `main.py infer` does): H x W is data.image_size, or with data.pad_to_multiple
+                                    the image's own padded size (then the artefact takes any H and W)
+  image_info  float32 [1, 5]        [scaled_h, scaled_w, 1 / scale, original_h, original_w]
+Outputs, in this order (TFLite names them by position only):
+  detection_boxes [1, D, 4] float32 (original pixels, [ymin, xmin, ymax, xmax]), detection_classes [1, D] int32,
+  detection_masks [1, D, R, R] float32 (only with the mask branch), detection_scores [1, D] float32,
+  num_detections [1] int32.
+One image per call: the batch axis is 1, so a photo's detections never depend on other photos.
+
+The converters and runtimes are optional extras (`pip install mrcnn-tf2[onnx]`, `[tflite]`, `[openvino]`),
+imported here only when a format asks for them.
+"""
+import importlib
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from mrcnn_tf2.config import ConfigError
+
+# format -> (artefact file inside the export directory, optional extra, modules the extra provides)
+ARTEFACTS = {
+    "onnx": ("model.onnx", "onnx", ("tf2onnx", "onnxruntime")),
+    "tflite": ("model.tflite", "tflite", ("ai_edge_litert",)),
+    "tflite_fp16": ("model_fp16.tflite", "tflite", ("ai_edge_litert",)),
+    "openvino": ("openvino/model.xml", "openvino", ("openvino",)),
+}
+OUTPUTS = ("detection_boxes", "detection_classes", "detection_masks", "detection_scores", "num_detections")
+ONNX_OPSET = 17
+
+
+def require_extra(fmt):
+    """Imports what `fmt` needs; raises ConfigError('--format', ...) naming the extra when it is missing."""
+    _, extra, modules = ARTEFACTS[fmt]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError("--format", f"{fmt} needs the optional extra '{extra}' ({err}): "
+                                          f"pip install 'mrcnn-tf2[{extra}]'") from None
+
+
+def detect_function(model, image_size):
+    """`model.detect` of one image as a tf.function with the inputs of the module docstring.
+
+    Args:
+      model: a built MaskRCNN made for export.
+      image_size: (H, W) of the padded input, or None when each image is padded to its own size.
+    """
+    height, width = image_size or (None, None)
+
+    @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.float32, name="images"),
+                                  tf.TensorSpec([1, 5], tf.float32, name="image_info")])
+    def detect(images, image_info):
+        detections = model.detect({"images": images, "image_info": image_info})
+        return {key: detections[key] for key in OUTPUTS if key in detections}
+
+    return detect
+
+
+def convert(fmt, function, path):
+    """Writes `function` (from `detect_function`) as the artefact of `fmt` at `path`."""
+    if fmt == "onnx":
+        import tf2onnx
+
+        tf2onnx.convert.from_function(function, input_signature=function.input_signature, opset=ONNX_OPSET,
+                                      output_path=path)
+    elif fmt in ("tflite", "tflite_fp16"):
+        converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()])
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # LiteRT runs no Flex ops
+        if fmt == "tflite_fp16":
+            converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            converter.target_spec.supported_types = [tf.float16]
+        with open(path, "wb") as f:
+            f.write(converter.convert())
+    elif fmt == "openvino":
+        import openvino
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # compress_to_fp16 (its default) would round the weights to float16: scores moved by 4e-4.
+        openvino.save_model(openvino.convert_model(function), path, compress_to_fp16=False)
+    else:
+        raise ValueError(f"unknown format {fmt}")
+
+
+def format_of(path):
+    """The format of an artefact file (by its name), or ConfigError naming it."""
+    for fmt, (name, _, _) in ARTEFACTS.items():
+        if path.endswith(os.path.basename(name)) and (fmt != "tflite" or not path.endswith("_fp16.tflite")):
+            return fmt
+    suffix = os.path.splitext(path)[1]
+    formats = {".onnx": "onnx", ".tflite": "tflite", ".xml": "openvino"}
+    if suffix in formats:
+        return formats[suffix]
+    raise ConfigError("--exported", f"{path}: not an exported artefact (.onnx, .tflite or OpenVINO .xml)")
+
+
+class Runner:
+    """An exported artefact in its runtime: `runner(images, image_info)` -> {output name: NumPy array}, with the
+    inputs and outputs of the module docstring."""
+
+    def __init__(self, path, fmt=None):
+        self.path = path
+        self.format = fmt or format_of(path)
+        require_extra(self.format)
+        try:
+            self._run = getattr(self, f"_load_{self.format.split('_')[0]}")(path)
+        except Exception as err:  # each runtime has its own exception types for a file it cannot read
+            raise ConfigError("--exported", f"{path}: not a readable {self.format} model ({err})") from None
+
+    def __call__(self, images, image_info):
+        return self._run(np.asarray(images, np.float32), np.asarray(image_info, np.float32))
+
+    @staticmethod
+    def _load_onnx(path):
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        names = [output.name for output in session.get_outputs()]
+        return lambda images, image_info: dict(zip(names, session.run(None, {"images": images,
+                                                                              "image_info": image_info})))
+
+    @staticmethod
+    def _load_tflite(path):
+        from ai_edge_litert.interpreter import Interpreter
+
+        interpreter = Interpreter(model_path=path)
+        inputs = {detail["name"]: detail["index"] for detail in interpreter.get_input_details()}
+        # TFLite names the outputs Identity, Identity_1, ...: they are the function's outputs in order.
+        outputs = [detail["index"] for detail in interpreter.get_output_details()]
+        names = [key for key in OUTPUTS if len(outputs) == len(OUTPUTS) or key != "detection_masks"]
+        shape = {}
+
+        def run(images, image_info):
+            if shape.get("images") != images.shape:
+                interpreter.resize_tensor_input(inputs["images"], images.shape)
+                interpreter.allocate_tensors()
+                shape["images"] = images.shape
+            interpreter.set_tensor(inputs["images"], images)
+            interpreter.set_tensor(inputs["image_info"], image_info)
+            interpreter.invoke()
+            return {name: interpreter.get_tensor(index) for name, index in zip(names, outputs)}
+
+        return run
+
+    @staticmethod
+    def _load_openvino(path):
+        import openvino
+        import openvino.properties.hint as hints
+
+        # float32: the CPU plugin's default on a CPU with bfloat16 instructions is bfloat16 (detections lost).
+        compiled = openvino.Core().compile_model(path, "CPU", {hints.inference_precision: openvino.Type.f32})
+
+        def run(images, image_info):
+            result = compiled({"images": images, "image_info": image_info})
+            return {next(key for key in OUTPUTS if key in output.get_any_name()): value
+                    for output, value in result.items()}
+
+        return run

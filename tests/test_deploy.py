@@ -1,0 +1,149 @@
+"""`main.py export --format onnx tflite tflite_fp16 openvino`: each artefact, run in its own runtime
+(`mrcnn_tf2.runtime.deploy.Runner`), gives the SavedModel's detections.
+
+The suite's small model (SMALL_FLAGS, freshly initialised) with each image padded to its own multiple of 32, so
+the artefacts take inputs of any size; exported once per module, all formats together.
+"""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mrcnn_tf2 import status
+from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.data.preprocess import Preprocessor
+from mrcnn_tf2.runtime import deploy, export, infer
+from mrcnn_tf2.runtime.predictor import load_model
+from tests.support import SMALL_FLAGS, photo
+
+pytestmark = pytest.mark.xdist_group("deploy")
+
+# Images padded to their own size (as under the torchvision presets): the artefacts' H and W are dynamic.
+OWN_SIZE_FLAGS = ["--config_override", "data.pad_to_multiple=32", "--config_override", "data.resize_min_size=96",
+                  "--config_override", "data.resize_max_size=160"]
+FORMATS = ("onnx", "tflite", "tflite_fp16", "openvino")
+# (height, width): landscape and portrait of two sizes.
+IMAGE_SIZES = ((96, 128), (128, 96), (150, 200), (200, 150))
+# Largest difference from the SavedModel of the float32 runtimes, which differ by rounding only: boxes in
+# pixels, scores, mask probabilities.
+TOLERANCES = (1e-3, 1e-5, 1e-4)
+
+
+def iou(a, b):
+    """[N, 4] x [M, 4] boxes [ymin, xmin, ymax, xmax] -> [N, M] IoU."""
+    low, high = np.maximum(a[:, None, :2], b[None, :, :2]), np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(high - low, 0, None), axis=-1)
+    area = lambda boxes: np.prod(boxes[:, 2:] - boxes[:, :2], axis=-1)  # noqa: E731
+    return inter / (area(a)[:, None] + area(b)[None, :] - inter)
+
+
+def matched_fraction(outputs, expected, count):
+    """The fraction of the SavedModel's `count` detections that `outputs` holds too: same class, box IoU >= 0.9,
+    score within 0.01, each matched once."""
+    overlap = iou(expected["detection_boxes"][0, :count], outputs["detection_boxes"][0, :count])
+    free, matched = set(range(count)), 0
+    for i in range(count):
+        for j in sorted(free, key=lambda j: -overlap[i, j]):
+            if (overlap[i, j] >= 0.9 and outputs["detection_classes"][0, j] == expected["detection_classes"][0, i]
+                    and abs(outputs["detection_scores"][0, j] - expected["detection_scores"][0, i]) <= 0.01):
+                free.remove(j)
+                matched += 1
+                break
+    return matched / count
+
+
+def config_for(mode, model_dir, *flags):
+    return parse([mode, *SMALL_FLAGS, *OWN_SIZE_FLAGS, "--model_dir", model_dir, *flags])[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A model directory with a fresh model's checkpoint."""
+    model_dir = str(tmp_path_factory.mktemp("deploy_model"))
+    loaded = load_model(config_for("infer", model_dir), require_checkpoint=False)
+    checkpoint = tf.train.Checkpoint(model=loaded.model, step=tf.Variable(0, dtype=tf.int64))
+    tf.train.CheckpointManager(checkpoint, model_dir, max_to_keep=1).save(checkpoint_number=0)
+    return model_dir
+
+
+def export_all(model_dir, name, *flags):
+    export_dir = os.path.join(model_dir, name)
+    config = config_for("export", model_dir, "--export_dir", export_dir, "--format", "saved_model", *FORMATS, *flags)
+    assert export.run(config) == status.OK
+    return export_dir
+
+
+@pytest.fixture(scope="module")
+def exported(model_dir):
+    """The export directory of the model with every format."""
+    return export_all(model_dir, "exported")
+
+
+def saved_model_detections(saved_model, image):
+    """The SavedModel's serving_default on one uint8 image: {output: [1, ...] NumPy}."""
+    outputs = saved_model.signatures["serving_default"](images=tf.constant(image[None]))
+    return {key: value.numpy() for key, value in outputs.items()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_artefact_gives_the_saved_models_detections_in_its_runtime(exported, fmt):
+    saved_model = tf.saved_model.load(exported)
+    runner = deploy.Runner(os.path.join(exported, deploy.ARTEFACTS[fmt][0]))
+    preprocessor = Preprocessor(config_for("infer", exported).data)
+    for seed, (height, width) in enumerate(IMAGE_SIZES):
+        image = photo(height, width, seed)
+        expected = saved_model_detections(saved_model, image)
+        batch = infer.preprocess(infer.Photo(1, "photo", image), preprocessor)
+        outputs = runner(batch["images"], batch["image_info"])
+        where = f"{fmt}, {height}x{width}"
+        count = int(expected["num_detections"][0])
+        if fmt == "tflite_fp16":  # float16 weights: the scores move by about 1e-3, and near-ties change places
+            assert count > 0 and abs(int(outputs["num_detections"][0]) - count) <= count // 10, where
+            assert matched_fraction(outputs, expected, min(count, int(outputs["num_detections"][0]))) >= 0.8, where
+            continue
+        assert count > 0 and int(outputs["num_detections"][0]) == count, where
+        np.testing.assert_array_equal(outputs["detection_classes"][0, :count],
+                                      expected["detection_classes"][0, :count], err_msg=where)
+        for key, tolerance in zip(("detection_boxes", "detection_scores", "detection_masks"), TOLERANCES):
+            np.testing.assert_allclose(outputs[key][0, :count], expected[key][0, :count], rtol=0, atol=tolerance,
+                                       err_msg=f"{where}: {key}")
+
+
+@pytest.mark.timeout(600)
+def test_an_image_without_detections_gives_none_in_every_runtime(model_dir):
+    """The empty case, which exports of other packages break on: here every score is below the threshold."""
+    exported = export_all(model_dir, "exported_empty", "--config_override", "model.test.test_score_threshold=0.99")
+    image = photo(96, 128, 0)
+    assert int(saved_model_detections(tf.saved_model.load(exported), image)["num_detections"][0]) == 0
+    batch = infer.preprocess(infer.Photo(1, "photo", image), Preprocessor(config_for("infer", exported).data))
+    for fmt in FORMATS:
+        outputs = deploy.Runner(os.path.join(exported, deploy.ARTEFACTS[fmt][0]))(batch["images"], batch["image_info"])
+        assert int(outputs["num_detections"][0]) == 0, fmt
+        assert not outputs["detection_scores"].any() and not outputs["detection_classes"].any(), fmt
+
+
+def test_a_format_whose_extra_is_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    real_import = deploy.importlib.import_module
+
+    def no_onnxruntime(name):
+        if name == "onnxruntime":
+            raise ImportError("No module named 'onnxruntime'")
+        return real_import(name)
+
+    monkeypatch.setattr(deploy.importlib, "import_module", no_onnxruntime)
+    config = config_for("export", str(tmp_path), "--format", "onnx")
+    assert export.run(config) == status.BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'mrcnn-tf2[onnx]'" in err and "--format" in err, err
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_an_artefact_that_is_not_its_format_is_refused_naming_the_file(tmp_path):
+    fake = tmp_path / "model.onnx"
+    fake.write_bytes(b"not an onnx model")
+    with pytest.raises(ValueError, match=r"--exported: .*model\.onnx: not a readable onnx model"):
+        deploy.Runner(str(fake))
+    with pytest.raises(ValueError, match=r"--exported: .*weights\.bin: not an exported artefact"):
+        deploy.format_of(str(tmp_path / "weights.bin"))
