@@ -164,6 +164,12 @@ _FLAGS = {
         "infer.visualize_score_threshold",
         dict(type=float, help="detections scoring below this are not drawn"),
     ),
+    "exported": (
+        "infer.exported",
+        dict(help="infer: run this exported artefact (model.onnx, model.tflite, openvino/model.xml, or an export "
+                  "directory's SavedModel) in its runtime instead of the newest checkpoint; --model_dir defaults to "
+                  "its directory, whose config.json it reads"),
+    ),
     "export_dir": (
         "export.export_dir", dict(help="directory of the exported artefacts (None: <model_dir>/saved_model)"),
     ),
@@ -264,7 +270,10 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
     if args.preset:
         for path, value in presets.values(args.preset).items():
             apply(path, value, f"--preset {args.preset}", "--preset")
-    model_dir = getattr(args, "model_dir", _DEFAULTS.runtime.model_dir)
+    model_dir = getattr(args, "model_dir", None) or exported_directory(getattr(args, "exported", None)) \
+        or _DEFAULTS.runtime.model_dir
+    if not hasattr(args, "model_dir") and getattr(args, "exported", None):
+        apply("runtime.model_dir", model_dir, "--exported", "--exported")
     saved = load_saved_config(model_dir)
     saved_file = os.path.join(model_dir, SAVED_CONFIG_FILE)
     for path, value in (saved or {}).items():
@@ -326,6 +335,33 @@ def check_inputs(mode: str, config: Config) -> None:
     for explicit, pattern in patterns:
         if not glob.glob(pattern):
             raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
+
+
+def exported_directory(path):
+    """The directory holding an exported artefact's config.json: the path itself when it is a directory (an export
+    directory), else the directory of the file (for openvino/model.xml, the export directory above it)."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return path
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(directory, SAVED_CONFIG_FILE)) and \
+            os.path.isfile(os.path.join(os.path.dirname(directory), SAVED_CONFIG_FILE)):
+        return os.path.dirname(directory)
+    return directory
+
+
+def config_for_path(path):
+    """The Config `Predictor(path)` runs: `main.py infer --model_dir path` for a model directory (one with
+    checkpoints), else `main.py infer --exported path`. Raises ConfigError."""
+    if path is None:
+        raise ConfigError("path", "name a model directory or an exported artefact")
+    path = os.fspath(path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "saved_model.pb")):
+        argv = ["infer", "--model_dir", path]
+    else:
+        argv = ["infer", "--exported", path]
+    return config_with_sources(build_parser().parse_args(argv))[0]
 
 
 def parse(argv=None, with_sources=False):

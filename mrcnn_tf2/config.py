@@ -294,6 +294,9 @@ class InferConfig:
     label_map: Optional[str] = None
     # Detections scoring below this are not drawn (all are written to predictions.json).
     visualize_score_threshold: float = 0.5
+    # An exported artefact (model.onnx, model.tflite, openvino/model.xml, or an export directory's SavedModel) to
+    # run in its runtime instead of model_dir's newest checkpoint; model_dir defaults to its directory.
+    exported: Optional[str] = None
 
     def resolved_output_dir(self, model_dir: str) -> str:
         return self.output_dir or f"{model_dir.rstrip('/')}/inference"

@@ -26,7 +26,7 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 
 from mrcnn_tf2 import arguments, presets, status
 from mrcnn_tf2.config import load_saved_config
-from mrcnn_tf2.runtime import infer
+from mrcnn_tf2.runtime import predictor
 from mrcnn_tf2.runtime.predictor import load_model
 from tests.support import ROOT, maskrcnn_resnet50_fpn, randomize, run_converter
 from weights import convert_torchvision as conv
@@ -220,11 +220,11 @@ def test_the_model_directory_holds_a_training_checkpoint_and_the_presets_config(
 
 def test_a_coco_model_directory_holds_torchvisions_class_names_and_another_none(converted):
     coco_dir, other_dir = converted["batch_norm"][0], converted["frozen"][0]  # 91 and FROZEN_CLASSES classes
-    assert infer.read_label_map(str(coco_dir / infer.LABEL_MAP_FILE)) == tv.coco_label_map(91)
-    assert not (other_dir / infer.LABEL_MAP_FILE).exists()
+    assert predictor.read_label_map(str(coco_dir / predictor.LABEL_MAP_FILE)) == tv.coco_label_map(91)
+    assert not (other_dir / predictor.LABEL_MAP_FILE).exists()
     # What `main.py infer --model_dir DIR` names the classes by.
     _, config = arguments.parse(["infer", "--preset", "torchvision", "--model_dir", str(coco_dir)])
-    names = infer.category_names(config)
+    names = predictor.category_names(config)
     assert names[1] == "person" and names[90] == "toothbrush" and names[12] == "12"  # 12: no COCO category
 
 

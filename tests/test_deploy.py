@@ -4,16 +4,19 @@
 The suite's small model (SMALL_FLAGS, freshly initialised) with each image padded to its own multiple of 32, so
 the artefacts take inputs of any size; exported once per module, all formats together.
 """
+import json
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from PIL import Image
+from pycocotools import mask as mask_utils
 
-from mrcnn_tf2 import status
+from mrcnn_tf2 import cli, status
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.data.preprocess import Preprocessor
-from mrcnn_tf2.runtime import deploy, export, infer
+from mrcnn_tf2.runtime import deploy, export, predictor
 from mrcnn_tf2.runtime.predictor import load_model
 from tests.support import SMALL_FLAGS, photo
 
@@ -95,7 +98,7 @@ def test_each_artefact_gives_the_saved_models_detections_in_its_runtime(exported
     for seed, (height, width) in enumerate(IMAGE_SIZES):
         image = photo(height, width, seed)
         expected = saved_model_detections(saved_model, image)
-        batch = infer.preprocess(infer.Photo(1, "photo", image), preprocessor)
+        batch = predictor.preprocess(predictor.Photo(1, "photo", image), preprocessor)
         outputs = runner(batch["images"], batch["image_info"])
         where = f"{fmt}, {height}x{width}"
         count = int(expected["num_detections"][0])
@@ -117,7 +120,7 @@ def test_an_image_without_detections_gives_none_in_every_runtime(model_dir):
     exported = export_all(model_dir, "exported_empty", "--config_override", "model.test.test_score_threshold=0.99")
     image = photo(96, 128, 0)
     assert int(saved_model_detections(tf.saved_model.load(exported), image)["num_detections"][0]) == 0
-    batch = infer.preprocess(infer.Photo(1, "photo", image), Preprocessor(config_for("infer", exported).data))
+    batch = predictor.preprocess(predictor.Photo(1, "photo", image), Preprocessor(config_for("infer", exported).data))
     for fmt in FORMATS:
         outputs = deploy.Runner(os.path.join(exported, deploy.ARTEFACTS[fmt][0]))(batch["images"], batch["image_info"])
         assert int(outputs["num_detections"][0]) == 0, fmt
@@ -147,3 +150,81 @@ def test_an_artefact_that_is_not_its_format_is_refused_naming_the_file(tmp_path)
         deploy.Runner(str(fake))
     with pytest.raises(ValueError, match=r"--exported: .*weights\.bin: not an exported artefact"):
         deploy.format_of(str(tmp_path / "weights.bin"))
+
+
+# -- Predictor and main.py infer --exported ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def photo_files(tmp_path_factory):
+    """Two JPEG photos, landscape and portrait."""
+    folder = tmp_path_factory.mktemp("deploy_photos")
+    for seed, (height, width) in enumerate(((96, 128), (128, 100))):
+        Image.fromarray(photo(height, width, seed)).save(folder / f"photo_{height}x{width}.jpg", quality=95)
+    return folder
+
+
+def infer_predictions(model_dir, photo_files, output_dir):
+    assert cli.main(["infer", *SMALL_FLAGS, *OWN_SIZE_FLAGS, "--model_dir", model_dir, "--input", str(photo_files),
+                     "--output_dir", str(output_dir), "--custom_ops", "off"]) == status.OK
+    with open(output_dir / "predictions.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_predictions(model_dir, photo_files, tmp_path_factory):
+    """predictions.json of `main.py infer` of the checkpoint on the photos."""
+    return infer_predictions(model_dir, photo_files, tmp_path_factory.mktemp("checkpoint_inference"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("artefact", ["model.onnx", "model.tflite", "openvino/model.xml", "."])
+def test_infer_runs_an_exported_artefact_and_writes_the_checkpoints_predictions(
+        exported, checkpoint_predictions, photo_files, tmp_path, artefact):
+    expected = checkpoint_predictions
+    # --model_dir defaults to the artefact's directory, whose config.json says how to preprocess.
+    assert cli.main(["infer", "--exported", os.path.join(exported, artefact), "--input", str(photo_files),
+                     "--output_dir", str(tmp_path / "exported")]) == status.OK
+    with open(tmp_path / "exported" / "predictions.json") as f:
+        found = json.load(f)
+    assert len(expected) > 0 and len(found) == len(expected)
+    for mine, theirs in zip(found, expected):
+        assert (mine["image_id"], mine["category_id"]) == (theirs["image_id"], theirs["category_id"])
+        np.testing.assert_allclose(mine["bbox"], theirs["bbox"], atol=2e-3)
+        assert abs(mine["score"] - theirs["score"]) <= 1e-5
+        assert mask_utils.iou([mine["segmentation"]], [theirs["segmentation"]], [False])[0, 0] >= 0.99
+
+
+@pytest.mark.timeout(300)
+def test_predictor_gives_each_image_its_detections_in_its_own_pixels_from_a_checkpoint_or_an_artefact(
+        model_dir, exported, photo_files):
+    paths = sorted(str(path) for path in photo_files.iterdir())
+    images = [predictor.read_image(path) for path in paths]
+    from_checkpoint = predictor.Predictor(config=config_for("infer", model_dir, "--custom_ops", "off"))(
+        [paths[0], images[1]])
+    from_onnx = predictor.Predictor(os.path.join(exported, "model.onnx"))(paths)
+    alone = predictor.Predictor(os.path.join(exported, "model.onnx"))(images[1])  # one image: one dict
+    for image, mine, theirs in zip(images, from_onnx, from_checkpoint):
+        count = len(theirs["scores"])
+        assert count > 0 and len(mine["scores"]) == count
+        assert theirs["masks"].shape == (count, *image.shape[:2]) and theirs["masks"].dtype == bool
+        assert theirs["names"] == [str(c) for c in theirs["classes"]]  # no label map: the ids
+        np.testing.assert_array_equal(mine["classes"], theirs["classes"])
+        np.testing.assert_allclose(mine["boxes"], theirs["boxes"], atol=1e-3)
+        np.testing.assert_allclose(mine["scores"], theirs["scores"], atol=1e-5)
+        assert (mine["masks"] != theirs["masks"]).mean() < 1e-3
+        # Boxes in the image's own pixels.
+        assert (theirs["boxes"] >= 0).all() and (theirs["boxes"][:, 2] <= image.shape[0]).all()
+    np.testing.assert_array_equal(alone["scores"], from_onnx[1]["scores"])
+
+
+def test_an_exported_path_that_is_not_an_artefact_is_one_line_naming_it(exported, tmp_path, capsys):
+    assert cli.main(["infer", "--exported", str(tmp_path), "--input", str(tmp_path)]) == status.BAD_INPUT
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(photo(64, 64, 0)).save(folder / "a.jpg")
+    capsys.readouterr()
+    assert cli.main(["infer", "--model_dir", exported, "--exported", str(tmp_path),
+                     "--input", str(folder)]) == status.BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--exported" in err and "without a SavedModel" in err, err

@@ -23,7 +23,7 @@ import main
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import visualize
-from mrcnn_tf2.runtime import export, infer
+from mrcnn_tf2.runtime import export, infer, predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
 from tests.support import SMALL_FLAGS
 
@@ -67,7 +67,7 @@ def test_read_image_makes_grayscale_rgb_composites_alpha_and_applies_exif(tmp_pa
     height, width = photo.shape[:2]
 
     rgb.convert("L").save(tmp_path / "gray.png")
-    gray = infer.read_image(tmp_path / "gray.png")
+    gray = predictor.read_image(tmp_path / "gray.png")
     assert gray.shape == (height, width, 3) and gray.dtype == np.uint8
     np.testing.assert_array_equal(gray[..., 0], np.asarray(rgb.convert("L")))
     assert (gray[..., 0] == gray[..., 1]).all() and (gray[..., 1] == gray[..., 2]).all()
@@ -76,21 +76,21 @@ def test_read_image_makes_grayscale_rgb_composites_alpha_and_applies_exif(tmp_pa
     rgba = np.concatenate([photo, np.full((height, width, 1), 255, np.uint8)], axis=-1)
     rgba[:, : width // 2, 3] = 0
     Image.fromarray(rgba).save(tmp_path / "rgba.png")
-    composited = infer.read_image(tmp_path / "rgba.png")
-    assert (composited[:, : width // 2] == infer.TRANSPARENT_FILL).all()
+    composited = predictor.read_image(tmp_path / "rgba.png")
+    assert (composited[:, : width // 2] == predictor.TRANSPARENT_FILL).all()
     np.testing.assert_array_equal(composited[:, width // 2:], photo[:, width // 2:])
     Image.fromarray(rgba).convert("LA").save(tmp_path / "la.png")
-    assert (infer.read_image(tmp_path / "la.png")[:, : width // 2] == infer.TRANSPARENT_FILL).all()
+    assert (predictor.read_image(tmp_path / "la.png")[:, : width // 2] == predictor.TRANSPARENT_FILL).all()
     palette = rgb.convert("P")
     palette.info["transparency"] = int(np.asarray(palette)[0, 0])  # the top-left pixel's colour
     palette.save(tmp_path / "palette.png")
-    assert (infer.read_image(tmp_path / "palette.png")[0, 0] == infer.TRANSPARENT_FILL).all()
+    assert (predictor.read_image(tmp_path / "palette.png")[0, 0] == predictor.TRANSPARENT_FILL).all()
 
     # Orientation 6: the stored pixels are shown rotated 90 degrees clockwise.
     save_with_orientation(rgb, tmp_path / "rotated.png", ROTATE_90_CW)
-    np.testing.assert_array_equal(infer.read_image(tmp_path / "rotated.png"), np.rot90(photo, k=-1))
+    np.testing.assert_array_equal(predictor.read_image(tmp_path / "rotated.png"), np.rot90(photo, k=-1))
     save_with_orientation(rgb, tmp_path / "rotated.jpg", ROTATE_90_CW)
-    assert infer.read_image(tmp_path / "rotated.jpg").shape == (width, height, 3)
+    assert predictor.read_image(tmp_path / "rotated.jpg").shape == (width, height, 3)
 
 
 def test_list_image_files_takes_a_file_a_folder_or_a_glob(tmp_path):
@@ -112,31 +112,31 @@ def test_label_map_names_the_classes_and_bad_files_name_themselves(tmp_path, sha
     label_map = tmp_path / "labels.json"
     label_map.write_text(json.dumps({"1": "disc", "3": "tri"}))
     config = config_for("infer", "--label_map", str(label_map))
-    assert infer.category_names(config) == {1: "disc", 2: "2", 3: "tri", 4: "4", 5: "5"}
+    assert predictor.category_names(config) == {1: "disc", 2: "2", 3: "tri", 4: "4", 5: "5"}
     # With --eval_file: its categories only, its names where the label map has none.
     with open(shapes_records["val_json"]) as f:
         categories = {c["id"]: c["name"] for c in json.load(f)["categories"]}
     config = config_for("infer", "--label_map", str(label_map), "--eval_file", shapes_records["val_json"])
-    assert infer.category_names(config) == {**categories, 1: "disc", 3: "tri"}
+    assert predictor.category_names(config) == {**categories, 1: "disc", 3: "tri"}
     for content in ("[1, 2]", '{"one": "disc"}', '{"0": "background"}', "{not json"):
         label_map.write_text(content)
         with pytest.raises(ValueError, match=f"--label_map {label_map}"):
-            infer.category_names(config_for("infer", "--label_map", str(label_map)))
+            predictor.category_names(config_for("infer", "--label_map", str(label_map)))
 
 
 def test_names_fall_back_to_the_model_directorys_label_map_after_the_flags(tmp_path, shapes_records):
-    (tmp_path / infer.LABEL_MAP_FILE).write_text(json.dumps({"1": "saved disc", "3": "saved tri"}))
+    (tmp_path / predictor.LABEL_MAP_FILE).write_text(json.dumps({"1": "saved disc", "3": "saved tri"}))
     config = config_for("infer", "--model_dir", str(tmp_path))
-    assert infer.category_names(config) == {1: "saved disc", 2: "2", 3: "saved tri", 4: "4", 5: "5"}
+    assert predictor.category_names(config) == {1: "saved disc", 2: "2", 3: "saved tri", 4: "4", 5: "5"}
     # --label_map wins; so do --eval_file's categories.
     flag_map = tmp_path / "labels.json"
     flag_map.write_text(json.dumps({"1": "disc"}))
     config = config_for("infer", "--model_dir", str(tmp_path), "--label_map", str(flag_map))
-    assert infer.category_names(config) == {1: "disc", 2: "2", 3: "3", 4: "4", 5: "5"}
+    assert predictor.category_names(config) == {1: "disc", 2: "2", 3: "3", 4: "4", 5: "5"}
     with open(shapes_records["val_json"]) as f:
         categories = {c["id"]: c["name"] for c in json.load(f)["categories"]}
     config = config_for("infer", "--model_dir", str(tmp_path), "--eval_file", shapes_records["val_json"])
-    assert infer.category_names(config) == categories
+    assert predictor.category_names(config) == categories
 
 
 def test_drawing_changes_the_image_where_objects_are_and_only_above_the_threshold():
@@ -313,7 +313,7 @@ def in_process(model_dir, photo):
     """In-process inference (as `main.py infer` runs it) on `photo`, with the pure-TF ops the export uses."""
     config = config_for("infer", "--model_dir", model_dir, "--custom_ops", "off")
     predict = predict_function(load_model(config).model)
-    ((_, batch),) = infer.photo_batches([infer.Photo(1, "photo", photo)], Preprocessor(config.data), 1)
+    ((_, batch),) = predictor.photo_batches([predictor.Photo(1, "photo", photo)], Preprocessor(config.data), 1)
     return predict_batch(predict, batch, config.eval.eval_batch_size)
 
 

@@ -24,7 +24,7 @@ from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.ops import masks as mask_ops
-from mrcnn_tf2.runtime import infer
+from mrcnn_tf2.runtime import predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function
 from tests.support import maskrcnn_resnet50_fpn, photo
 
@@ -122,7 +122,7 @@ def torch_outputs(outputs, i):
 def package_outputs(loaded, config, image):
     """The package's outputs for the same photo, through main.py infer's own preprocessing and predictor."""
     model = loaded.model
-    batch = infer.preprocess(infer.Photo(1, "photo", image), Preprocessor(config.data))
+    batch = predictor.preprocess(predictor.Photo(1, "photo", image), Preprocessor(config.data))
     features = model.fpn(model.backbone(batch["images"]))
     rpn = model.rpn_head(features)
     proposals = model.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"],
@@ -191,7 +191,7 @@ def test_detections_equal_torchvisions(request, photo_files, version, custom_ops
     config = package_config(converted, "--custom_ops", custom_ops, preset=preset)
     loaded = load_model(config)
     for i, (height, width, path) in enumerate(photo_files):
-        image = infer.read_image(path)
+        image = predictor.read_image(path)
         theirs = torch_outputs(reference, i)
         ours = package_outputs(loaded, config, image)
         where = f"{version}, photo {height}x{width}, custom_ops {custom_ops}"

@@ -8,6 +8,9 @@ The SavedModel's signatures (a batch of B images per call, any B >= 1):
                                                 grayscale becomes RGB, alpha is dropped, EXIF is ignored;
                                                 with data.pad_to_multiple each image is run alone, padded
                                                 to its own size, so its detections do not depend on the others
+  serving_preprocessed(images: float32 [B, H, W, 3], image_info: float32 [B, 5])
+                                                images preprocessed as `main.py infer` does (one padded
+                                                size per call); each run alone as serving_bytes does
 Each image is resized, normalised and padded to data.image_size by `mrcnn_tf2.data.preprocess`, as the
 input pipeline and `main.py infer` do, so the outputs equal `main.py infer`'s on the same pixels:
   detection_boxes   [B, D, 4] float32 [ymin, xmin, ymax, xmax] in pixels of the original image
@@ -33,10 +36,9 @@ import tensorflow as tf
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data import preprocess
 from mrcnn_tf2.runtime import deploy
-from mrcnn_tf2.runtime.infer import LABEL_MAP_FILE
-from mrcnn_tf2.runtime.predictor import load_model
+from mrcnn_tf2.runtime.predictor import LABEL_MAP_FILE, load_model
 
-SIGNATURES = ("serving_default", "serving_bytes")
+SIGNATURES = ("serving_default", "serving_bytes", "serving_preprocessed")
 
 
 class ServingModule(tf.Module):
@@ -87,6 +89,13 @@ class ServingModule(tf.Module):
         """uint8 [B, H, W, 3] RGB -> the detection dict (module docstring)."""
         return self._detect(*self._preprocess_each(self._preprocess, images))
 
+    @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32, name="images"),
+                                  tf.TensorSpec([None, 5], tf.float32, name="image_info")])
+    def serve_preprocessed(self, images, image_info):
+        """float32 [B, H, W, 3] images preprocessed as `main.py infer` does, [B, 5] image_info -> the detection
+        dict (module docstring): the signature `mrcnn_tf2.runtime.predictor.Predictor` calls."""
+        return self._detect_each(images, image_info)
+
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")])
     def serve_bytes(self, image_bytes):
         """string [B] encoded images -> the detection dict (module docstring)."""
@@ -107,7 +116,8 @@ def write_saved_model(model, preprocessor, export_dir):
     """
     module = ServingModule(model, preprocessor)
     tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve_images,
-                                                       "serving_bytes": module.serve_bytes})
+                                                       "serving_bytes": module.serve_bytes,
+                                                       "serving_preprocessed": module.serve_preprocessed})
 
 
 def export(config, model, export_dir):

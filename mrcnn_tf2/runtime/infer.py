@@ -29,45 +29,26 @@ Exit status (`mrcnn_tf2.status`): OK when at least one image was processed (fail
 BAD_INPUT when none could be, or when the checkpoint, --input or --label_map is unusable.
 """
 
-import dataclasses
 import glob
-import json
 import os
 import sys
 import time
 
-import numpy as np
 import tensorflow as tf
-from PIL import Image, ImageOps
+from PIL import Image
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import InputPipeline
-from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.evaluation.visualize import draw_detections
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime.benchmark import report_benchmark
-from mrcnn_tf2.runtime.predictor import (concat_batches, load_model, pad_batch, predict_batch, predict_function,
-                                         same_shape_batches)
+from mrcnn_tf2.runtime.predictor import Photo, Predictor, load_model, pad_batch, predict_function, read_image
 
 PREDICTIONS_FILE = "predictions.json"
 IMAGES_FILE = "images.json"
-# A model directory's own class names, in --label_map's format (a converted torchvision COCO model has them).
-LABEL_MAP_FILE = "label_map.json"
 # Extensions of the files a folder or glob --input picks up (a file named directly is read whatever its name).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-# What transparent pixels become: the ImageNet mean normalises to 0, as the padding does.
-TRANSPARENT_FILL = tuple(int(round(v)) for v in IMAGENET_MEAN)
-
-
-@dataclasses.dataclass
-class Photo:
-    """One image to run on."""
-
-    image_id: int
-    name: str  # the --input path, or the image id for TFRecords
-    image: np.ndarray  # [h, w, 3] uint8 RGB
 
 
 # -- inputs -------------------------------------------------------------------------------------------------
@@ -81,20 +62,6 @@ def list_image_files(pattern):
         else glob.glob(pattern)
     return sorted(path for path in candidates
                   if os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS))
-
-
-def read_image(path):
-    """[h, w, 3] uint8 RGB of the image file at `path`, upright by its EXIF orientation.
-
-    Grayscale becomes RGB; transparency (RGBA, LA, palette with a transparent colour) is composited over
-    TRANSPARENT_FILL. Raises what PIL raises for an unreadable file (OSError and others).
-    """
-    with Image.open(path) as opened:
-        image = ImageOps.exif_transpose(opened)
-        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-            background = Image.new("RGBA", image.size, TRANSPARENT_FILL + (255,))
-            image = Image.alpha_composite(background, image.convert("RGBA"))
-        return np.asarray(image.convert("RGB"))
 
 
 def photos_from_files(paths):
@@ -120,78 +87,6 @@ def photos_from_records(file_pattern, max_images=None):
     for example in examples:
         image_id = int(example["source_id"])
         yield Photo(image_id, str(image_id), example["image"].numpy())
-
-
-def preprocess(photo, preprocessor):
-    """The model input of one photo, resized, normalised and padded as the input pipeline does (to the canvas,
-    or to its own size rounded up to data.pad_to_multiple).
-
-    Args:
-      photo: a Photo; preprocessor: the run's `preprocess.Preprocessor`.
-
-    Returns:
-      dict with images [1, H, W, 3] float32, image_info [1, 5] float32, source_ids [1] int64.
-    """
-    image, image_info = preprocessor.example(tf.constant(photo.image))[:2]
-    return {"images": preprocessor.pad_batch(image[None], image_info[None]), "image_info": image_info[None],
-            "source_ids": tf.constant([photo.image_id], tf.int64)}
-
-
-def photo_batches(photos, preprocessor, batch_size):
-    """Yields (photos, model input batch) of up to `batch_size` of `photos` that share a padded shape
-    (`predictor.same_shape_batches`): each photo's detections are those it gets alone. On the canvas that is
-    every photo, batched in order.
-
-    Args:
-      photos: iterable of Photos; preprocessor: the run's `preprocess.Preprocessor`.
-
-    Yields:
-      (list of b <= batch_size Photos, dict with images [b, H, W, 3], image_info [b, 5], source_ids [b]).
-    """
-    inputs = ((photo, preprocess(photo, preprocessor)) for photo in photos)
-    for group in same_shape_batches(inputs, batch_size, lambda pair: tuple(pair[1]["images"].shape)):
-        yield [photo for photo, _ in group], concat_batches([batch for _, batch in group])
-
-
-# -- class names --------------------------------------------------------------------------------------------
-
-
-def read_label_map(path):
-    """{category id: name} of a --label_map file: a JSON object {"1": "person", "3": "car", ...}."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--label_map {path}: cannot read it as JSON ({err})") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ValueError(f'--label_map {path}: must be a non-empty JSON object {{"category id": "name"}}')
-    names = {}
-    for key, name in raw.items():
-        if not str(key).strip().isdigit() or int(key) < 1 or not isinstance(name, str):
-            raise ValueError(f"--label_map {path}: entry {key!r}: {name!r} is not a category id >= 1 with a name")
-        names[int(key)] = name
-    return names
-
-
-def category_names(config):
-    """{class id: name} of the classes reported: --eval_file's categories, else every class of the model.
-
-    Names come from --label_map, else from --eval_file, else from the model directory's LABEL_MAP_FILE, else
-    are the ids. Raises ValueError (naming the file) for an unusable label map.
-    """
-    label_map_file = config.infer.label_map
-    if config.eval.eval_file:
-        coco = coco_metrics.load_annotations(config.eval.eval_file)
-        names = {category["id"]: category["name"] for category in coco.loadCats(coco.getCatIds())}
-    else:
-        names = {class_id: str(class_id) for class_id in range(1, config.model.num_classes)}
-        saved = os.path.join(config.runtime.model_dir, LABEL_MAP_FILE)
-        if not label_map_file and os.path.isfile(saved):
-            label_map_file = saved
-    if label_map_file:
-        label_map = read_label_map(label_map_file)
-        names = {class_id: label_map.get(class_id, name) for class_id, name in names.items()}
-    return names
 
 
 # -- pictures -----------------------------------------------------------------------------------------------
@@ -226,10 +121,6 @@ def run(config):
     if config.runtime.benchmark:
         return benchmark(config)
     infer = config.infer
-    try:
-        names = category_names(config)
-    except ValueError as err:
-        return _fail(str(err))
     paths = []
     if infer.input is not None:
         paths = list_image_files(infer.input)
@@ -239,9 +130,10 @@ def run(config):
     else:
         photos = photos_from_records(config.data.resolved_validation_pattern(), config.eval.eval_samples)
     try:
-        loaded = load_model(config)
+        predictor = Predictor(config=config)
     except ValueError as err:
         return _fail(str(err))
+    names = predictor.names
     output_dir = infer.resolved_output_dir(config.runtime.model_dir)
     os.makedirs(output_dir, exist_ok=True)
     # A previous run's results must not pass for this run's until this run has completed.
@@ -250,15 +142,10 @@ def run(config):
     # A picture must not overwrite an input file that lives in output_dir.
     real_output_dir = os.path.realpath(output_dir)
     taken = {os.path.basename(p) for p in paths if os.path.dirname(os.path.realpath(p)) == real_output_dir}
-    predict = predict_function(loaded.model, config.runtime.eagerly)
-    batch_size = config.eval.eval_batch_size
-    preprocessor = Preprocessor(config.data)
-    encode_masks = loaded.ops.mask_encoder
     results, images, dropped = [], [], 0
     started = time.perf_counter()
-    for chunk, batch in photo_batches(photos, preprocessor, batch_size):
-        outputs = predict_batch(predict, batch, None if config.data.pad_to_multiple is not None else batch_size)
-        chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, encode_masks)
+    for chunk, outputs in predictor.batches(photos):
+        chunk_results, chunk_dropped = coco_metrics.convert_detections(outputs, names, predictor.backend.mask_encoder)
         results += chunk_results
         dropped += chunk_dropped
         for b, photo in enumerate(chunk):
@@ -282,7 +169,7 @@ def run(config):
     files.write_json(os.path.join(output_dir, PREDICTIONS_FILE), results)
     failed = len(paths) - len(images) if paths else 0
     print(f"[infer] {len(images)} images, {len(results)} detections in {time.perf_counter() - started:.1f} s "
-          f"(checkpoint {loaded.checkpoint}, step {loaded.step}): {os.path.join(output_dir, PREDICTIONS_FILE)}"
+          f"({predictor.backend.description}): {os.path.join(output_dir, PREDICTIONS_FILE)}"
           + (f"; {failed} unreadable files skipped (see above)" if failed else ""), flush=True)
     return status.OK
 

@@ -1,22 +1,34 @@
-"""Prediction with a trained model, shared by `main.py eval`, `main.py infer` and `main.py export`.
+"""Prediction, shared by `main.py eval`, `main.py infer`, `main.py export` and Python callers (`Predictor`).
 
 `load_model` builds the model the config describes (through the factory, which chooses its ops) and
 restores the newest checkpoint's weights; `predict_function` is its traced predict step, one per model;
 `pad_batch` and `predict_batch` run a batch of any size up to the batch size through that one trace.
 Training evaluates its live model with the same `predict_function`.
 
-This module reads no data and writes nothing: its callers bring the images and keep the detections.
+`Predictor` is the one inference path of `main.py infer` and of code that calls the model on images: images in,
+detections per image out, through a backend: the newest checkpoint of a model directory in TensorFlow, or an
+exported artefact in its runtime (`mrcnn_tf2.runtime.deploy`). It reads image files; it writes nothing.
 
 Glossary: B the batch size (eval.eval_batch_size), b <= B the images of one batch, H x W = data.image_size.
 """
 
 import dataclasses
+import json
+import os
 import weakref
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
+from PIL import Image, ImageOps
 
+from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.data.preprocess import Preprocessor
+from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
+from mrcnn_tf2.ops import masks as mask_ops
+from mrcnn_tf2.runtime import deploy
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 
 # One traced predict function per model, so that repeated evaluations during training trace once.
@@ -167,3 +179,220 @@ def load_model(config, require_checkpoint=True, export=False, announce=True):
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
     return LoadedModel(model, checkpoint, int(step.numpy()), policy, ops)
+
+
+# -- images in ----------------------------------------------------------------------------------------------
+
+# A model directory's own class names, in --label_map's format (a converted torchvision COCO model has them).
+LABEL_MAP_FILE = "label_map.json"
+# What transparent pixels become: the ImageNet mean normalises to 0, as the padding does.
+TRANSPARENT_FILL = tuple(int(round(v)) for v in IMAGENET_MEAN)
+
+
+@dataclasses.dataclass
+class Photo:
+    """One image to run on."""
+
+    image_id: int
+    name: str  # the --input path, or the image id for TFRecords
+    image: np.ndarray  # [h, w, 3] uint8 RGB
+
+
+def read_image(path):
+    """[h, w, 3] uint8 RGB of the image file at `path`, upright by its EXIF orientation.
+
+    Grayscale becomes RGB; transparency (RGBA, LA, palette with a transparent colour) is composited over
+    TRANSPARENT_FILL. Raises what PIL raises for an unreadable file (OSError and others).
+    """
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened)
+        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+            background = Image.new("RGBA", image.size, TRANSPARENT_FILL + (255,))
+            image = Image.alpha_composite(background, image.convert("RGBA"))
+        return np.asarray(image.convert("RGB"))
+
+
+
+
+def preprocess(photo, preprocessor):
+    """The model input of one photo, resized, normalised and padded as the input pipeline does (to the canvas,
+    or to its own size rounded up to data.pad_to_multiple).
+
+    Args:
+      photo: a Photo; preprocessor: the run's `preprocess.Preprocessor`.
+
+    Returns:
+      dict with images [1, H, W, 3] float32, image_info [1, 5] float32, source_ids [1] int64.
+    """
+    image, image_info = preprocessor.example(tf.constant(photo.image))[:2]
+    return {"images": preprocessor.pad_batch(image[None], image_info[None]), "image_info": image_info[None],
+            "source_ids": tf.constant([photo.image_id], tf.int64)}
+
+
+def photo_batches(photos, preprocessor, batch_size):
+    """Yields (photos, model input batch) of up to `batch_size` of `photos` that share a padded shape
+    (`predictor.same_shape_batches`): each photo's detections are those it gets alone. On the canvas that is
+    every photo, batched in order.
+
+    Args:
+      photos: iterable of Photos; preprocessor: the run's `preprocess.Preprocessor`.
+
+    Yields:
+      (list of b <= batch_size Photos, dict with images [b, H, W, 3], image_info [b, 5], source_ids [b]).
+    """
+    inputs = ((photo, preprocess(photo, preprocessor)) for photo in photos)
+    for group in same_shape_batches(inputs, batch_size, lambda pair: tuple(pair[1]["images"].shape)):
+        yield [photo for photo, _ in group], concat_batches([batch for _, batch in group])
+
+
+
+
+def read_label_map(path):
+    """{category id: name} of a --label_map file: a JSON object {"1": "person", "3": "car", ...}."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--label_map {path}: cannot read it as JSON ({err})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f'--label_map {path}: must be a non-empty JSON object {{"category id": "name"}}')
+    names = {}
+    for key, name in raw.items():
+        if not str(key).strip().isdigit() or int(key) < 1 or not isinstance(name, str):
+            raise ValueError(f"--label_map {path}: entry {key!r}: {name!r} is not a category id >= 1 with a name")
+        names[int(key)] = name
+    return names
+
+
+def category_names(config):
+    """{class id: name} of the classes reported: --eval_file's categories, else every class of the model.
+
+    Names come from --label_map, else from --eval_file, else from the model directory's LABEL_MAP_FILE, else
+    are the ids. Raises ValueError (naming the file) for an unusable label map.
+    """
+    label_map_file = config.infer.label_map
+    if config.eval.eval_file:
+        coco = coco_metrics.load_annotations(config.eval.eval_file)
+        names = {category["id"]: category["name"] for category in coco.loadCats(coco.getCatIds())}
+    else:
+        names = {class_id: str(class_id) for class_id in range(1, config.model.num_classes)}
+        saved = os.path.join(config.runtime.model_dir, LABEL_MAP_FILE)
+        if not label_map_file and os.path.isfile(saved):
+            label_map_file = saved
+    if label_map_file:
+        label_map = read_label_map(label_map_file)
+        names = {class_id: label_map.get(class_id, name) for class_id, name in names.items()}
+    return names
+
+
+# -- backends and the Predictor ------------------------------------------------------------------------------
+
+
+class CheckpointBackend:
+    """The newest checkpoint of config.runtime.model_dir in TensorFlow: `backend(batch)` -> `predict_batch`'s
+    outputs. Batches of up to eval.eval_batch_size images of one padded shape."""
+
+    def __init__(self, config):
+        self.loaded = load_model(config)
+        self.predict = predict_function(self.loaded.model, config.runtime.eagerly)
+        self.batch_size = config.eval.eval_batch_size
+        self.run_size = None if config.data.pad_to_multiple is not None else self.batch_size
+        self.mask_encoder = self.loaded.ops.mask_encoder
+        self.description = f"checkpoint {self.loaded.checkpoint}, step {self.loaded.step}"
+
+    def __call__(self, batch):
+        return predict_batch(self.predict, batch, self.run_size)
+
+
+class ExportedBackend:
+    """An exported artefact (`deploy.Runner`: one image per call) or an export directory's SavedModel (its
+    serving_preprocessed signature): `backend(batch)` -> the same outputs as `CheckpointBackend`."""
+
+    def __init__(self, config, path):
+        if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "saved_model.pb")):
+                artefacts = ", ".join(name for name, _, _ in deploy.ARTEFACTS.values())
+                raise ConfigError("--exported", f"{path}: a directory without a SavedModel (saved_model.pb); name "
+                                                f"an artefact file in it ({artefacts})")
+            signatures = tf.saved_model.load(path).signatures
+            if "serving_preprocessed" not in signatures:
+                raise ConfigError("--exported", f"{path}: a SavedModel without the serving_preprocessed signature "
+                                                "(exported by an older version): export it again")
+            detect = signatures["serving_preprocessed"]
+            self.run = lambda images, image_info: {key: value.numpy() for key, value in detect(
+                images=tf.constant(images), image_info=tf.constant(image_info)).items()}
+            self.batch_size, self.description = config.eval.eval_batch_size, f"SavedModel {path}"
+        else:
+            self.run = deploy.Runner(path)
+            self.batch_size, self.description = 1, f"{self.run.format} {path}"
+        self.mask_encoder = choose_ops(config, export=True).mask_encoder
+
+    def __call__(self, batch):
+        images, image_info = np.asarray(batch["images"]), np.asarray(batch["image_info"])
+        outputs = [self.run(images[i:i + 1], image_info[i:i + 1]) for i in range(0, len(images), self.batch_size)]
+        outputs = {key: np.concatenate([out[key] for out in outputs]) for key in outputs[0]}
+        return {**outputs, "image_info": image_info, "source_ids": np.asarray(batch["source_ids"])}
+
+
+def open_backend(config):
+    """config.infer.exported's backend, else the checkpoint's. Raises ValueError (ConfigError) naming the file."""
+    exported = config.infer.exported
+    return CheckpointBackend(config) if exported is None else ExportedBackend(config, exported)
+
+
+class Predictor:
+    """Detections of images, per image, in original pixels, by a model directory's newest checkpoint or by an
+    exported artefact.
+
+        predictor = Predictor("runs/my_model")                            # TensorFlow, the newest checkpoint
+        predictor = Predictor("runs/my_model/saved_model/model.onnx")    # or .tflite, openvino/model.xml,
+                                                                          # or the export directory (SavedModel)
+        detections = predictor("photo.jpg")             # or a uint8 [h, w, 3] RGB array, or a list of either
+
+    Each image's detections: dict with boxes [N, 4] float32 [ymin, xmin, ymax, xmax] in the image's pixels,
+    classes [N] int64 category ids, names [N] str, scores [N] float32 (descending), masks [N, h, w] bool pasted
+    at the image's size (absent without the mask branch). A photo's detections are those it gets alone.
+    """
+
+    def __init__(self, path=None, config=None):
+        """path: a model directory or an exported artefact (its directory holds the export's config.json);
+        config: a Config instead (`main.py infer`'s; its infer.exported picks the artefact)."""
+        if config is None:
+            from mrcnn_tf2.arguments import config_for_path  # the CLI layer: imported by this entry point only
+
+            config = config_for_path(path)
+        self.config = config
+        self.names = category_names(config)
+        self.backend = open_backend(config)
+        self.preprocessor = Preprocessor(config.data)
+
+    def batches(self, photos):
+        """Yields (photos, outputs): `photo_batches` of `photos` through the backend."""
+        for chunk, batch in photo_batches(photos, self.preprocessor, self.backend.batch_size):
+            yield chunk, self.backend(batch)
+
+    def __call__(self, images):
+        single = not isinstance(images, (list, tuple))
+        images = [images] if single else list(images)
+        photos = [Photo(index, str(image) if isinstance(image, (str, os.PathLike)) else f"image {index}",
+                        read_image(image) if isinstance(image, (str, os.PathLike)) else np.asarray(image, np.uint8))
+                  for index, image in enumerate(images)]
+        found = [None] * len(photos)
+        for chunk, outputs in self.batches(photos):
+            for b, photo in enumerate(chunk):
+                found[photo.image_id] = self.detections(outputs, b, photo.image.shape[:2])
+        return found[0] if single else found
+
+    def detections(self, outputs, b, image_hw):
+        """Image b of a backend's outputs as the per-image dict of the class docstring."""
+        count = int(outputs["num_detections"][b])
+        boxes = outputs["detection_boxes"][b, :count]
+        classes = outputs["detection_classes"][b, :count].astype(np.int64)
+        result = {"boxes": boxes, "classes": classes, "names": [self.names.get(int(c), str(c)) for c in classes],
+                  "scores": outputs["detection_scores"][b, :count]}
+        if "detection_masks" in outputs:  # pasted as evaluation pastes them (model.test.mask_paste)
+            paste = mask_ops.paste_masks_torchvision if self.config.model.test.mask_paste == "torchvision" \
+                else mask_ops.paste_masks
+            masks = paste(outputs["detection_masks"][b, :count], boxes, image_hw, coco_metrics.MASK_THRESHOLD)
+            result["masks"] = masks.astype(bool)
+        return result
