@@ -166,9 +166,9 @@ _FLAGS = {
     ),
     "exported": (
         "infer.exported",
-        dict(help="infer: run this exported artefact (model.onnx, model.tflite, openvino/model.xml, or an export "
-                  "directory's SavedModel) in its runtime instead of the newest checkpoint; --model_dir defaults to "
-                  "its directory, whose config.json it reads"),
+        dict(help="infer, eval: run this exported artefact (model.onnx, model.tflite, openvino/model.xml, or an "
+                  "export directory's SavedModel) in its runtime instead of the newest checkpoint; --model_dir "
+                  "defaults to its directory, whose config.json it reads"),
     ),
     "export_dir": (
         "export.export_dir", dict(help="directory of the exported artefacts (None: <model_dir>/saved_model)"),
@@ -177,8 +177,16 @@ _FLAGS = {
         "export.formats",
         dict(nargs="+", choices=EXPORT_FORMATS,
              help="export: artefacts to write; saved_model holds TensorFlow's signatures, the others one graph per "
-                  "image for onnxruntime, LiteRT (float32, float16 weights) and OpenVINO (optional extras: "
-                  "pip install mrcnn-tf2[onnx|tflite|openvino])"),
+                  "image for onnxruntime, LiteRT (float32, float16 weights) and OpenVINO (float32, 8-bit) (optional "
+                  "extras: pip install mrcnn-tf2[onnx|tflite|openvino])"),
+    ),
+    "calibration": (
+        "export.calibration",
+        dict(help="export openvino_int8: calibration images, a JPEG/PNG file, folder or glob (None: the validation "
+                  "TFRecords)"),
+    ),
+    "calibration_images": (
+        "export.calibration_images", dict(type=int, help="export openvino_int8: calibration images used, at most"),
     ),
     "custom_ops": (
         "runtime.custom_ops",

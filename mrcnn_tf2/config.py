@@ -294,8 +294,9 @@ class InferConfig:
     label_map: Optional[str] = None
     # Detections scoring below this are not drawn (all are written to predictions.json).
     visualize_score_threshold: float = 0.5
-    # An exported artefact (model.onnx, model.tflite, openvino/model.xml, or an export directory's SavedModel) to
-    # run in its runtime instead of model_dir's newest checkpoint; model_dir defaults to its directory.
+    # An exported artefact (model.onnx, model.tflite, openvino/model.xml, or an export directory's SavedModel) that
+    # infer and eval run in its runtime instead of model_dir's newest checkpoint; model_dir defaults to its
+    # directory.
     exported: Optional[str] = None
 
     def resolved_output_dir(self, model_dir: str) -> str:
@@ -310,6 +311,11 @@ class ExportConfig:
     export_dir: Optional[str] = None
     # Any of EXPORT_FORMATS (mrcnn_tf2.runtime.deploy tells what each writes).
     formats: tuple[str, ...] = ("saved_model",)
+    # openvino_int8's calibration images: an image file, folder or glob of JPEG/PNG files; None: the validation
+    # TFRecords (data.validation_file_pattern).
+    calibration: Optional[str] = None
+    # How many of them (at most).
+    calibration_images: int = 100
 
     def resolved_export_dir(self, model_dir: str) -> str:
         return self.export_dir or f"{model_dir.rstrip('/')}/saved_model"
@@ -560,8 +566,8 @@ PER_COMMAND_SECTIONS = ("infer.", "export.")
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
 # `main.py export --format`: TensorFlow's SavedModel, and one graph per image for each other runtime (TFLite at
-# float32 and with float16 weights).
-EXPORT_FORMATS = ("saved_model", "onnx", "tflite", "tflite_fp16", "openvino")
+# float32 and with float16 weights, OpenVINO at float32 and quantized to 8 bits).
+EXPORT_FORMATS = ("saved_model", "onnx", "tflite", "tflite_fp16", "openvino", "openvino_int8")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 MASK_PASTES = ("exact", "torchvision")
 NORMS = ("none", "batch")

@@ -6,6 +6,7 @@ the artefacts take inputs of any size; exported once per module, all formats tog
 """
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -23,8 +24,8 @@ from tests.support import SMALL_FLAGS, photo
 pytestmark = pytest.mark.xdist_group("deploy")
 
 # Images padded to their own size (as under the torchvision presets): the artefacts' H and W are dynamic.
-OWN_SIZE_FLAGS = ["--config_override", "data.pad_to_multiple=32", "--config_override", "data.resize_min_size=96",
-                  "--config_override", "data.resize_max_size=160"]
+OWN_SIZE_FLAGS = ["--image_size", "192", "192", "--config_override", "data.pad_to_multiple=32",
+                  "--config_override", "data.resize_min_size=96", "--config_override", "data.resize_max_size=160"]
 FORMATS = ("onnx", "tflite", "tflite_fp16", "openvino")
 # (height, width): landscape and portrait of two sizes.
 IMAGE_SIZES = ((96, 128), (128, 96), (150, 200), (200, 150))
@@ -228,3 +229,56 @@ def test_an_exported_path_that_is_not_an_artefact_is_one_line_naming_it(exported
                      "--input", str(folder)]) == status.BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--exported" in err and "without a SavedModel" in err, err
+
+
+# -- INT8 and eval ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_int8_is_calibrated_on_the_given_images_and_runs_in_openvino(model_dir, exported, photo_files, tmp_path,
+                                                                   capsys):
+    export_dir = str(tmp_path / "int8")
+    config = config_for("export", model_dir, "--export_dir", export_dir, "--format", "openvino_int8",
+                        "--calibration", str(photo_files))
+    assert export.run(config) == status.OK
+    path = os.path.join(export_dir, deploy.ARTEFACTS["openvino_int8"][0])
+    with open(path) as f:
+        assert "FakeQuantize" in f.read()  # NNCF quantized it
+    # Well-formed detections; the accuracy of 8 bits needs a trained model (docs/PERFORMANCE.md: the demo's AP).
+    image = photo(96, 128, 0)
+    batch = predictor.preprocess(predictor.Photo(1, "photo", image), Preprocessor(config.data))
+    found = deploy.Runner(path)(batch["images"], batch["image_info"])
+    count = int(found["num_detections"][0])
+    boxes, scores = found["detection_boxes"][0, :count], found["detection_scores"][0, :count]
+    assert count > 0 and (np.diff(scores) <= 0).all() and (scores > 0.05).all() and (scores <= 1).all()
+    assert (boxes >= 0).all() and (boxes[:, 2] <= 96).all() and (boxes[:, 3] <= 128).all()
+    assert set(found["detection_classes"][0, :count]) <= set(range(1, 6))
+
+    empty = tmp_path / "no_images"
+    empty.mkdir()
+    config = config_for("export", model_dir, "--export_dir", str(tmp_path / "refused"), "--format", "openvino_int8",
+                        "--calibration", str(empty))
+    capsys.readouterr()
+    assert export.run(config) == status.BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--calibration" in err and str(empty) in err, err
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.timeout(600)
+def test_eval_of_an_exported_artefact_gives_the_checkpoints_ap(model_dir, exported, shapes_records, tmp_path):
+    def metrics(directory, *flags):
+        assert cli.main(["eval", "--data_dir", shapes_records["data_dir"], "--eval_file", shapes_records["val_json"],
+                         *flags]) == status.OK
+        with open(os.path.join(directory, "eval_results.json")) as f:
+            return json.load(f)
+
+    checkpoint_dir = shutil.copytree(model_dir, tmp_path / "model")  # eval writes into the model directory
+    export_dir = shutil.copytree(exported, tmp_path / "export")
+    expected = metrics(checkpoint_dir, *SMALL_FLAGS, *OWN_SIZE_FLAGS, "--model_dir", str(checkpoint_dir),
+                       "--custom_ops", "off")
+    found = metrics(export_dir, "--exported", str(export_dir / "model.onnx"))
+    assert found["exported"].endswith("model.onnx") and found["checkpoint"] is None
+    assert found["num_detections"] == expected["num_detections"] > 0
+    for key, value in expected["metrics"].items():
+        assert abs(found["metrics"][key] - value) <= 1e-4, key

@@ -24,7 +24,7 @@ from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import choose_ops
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
-from mrcnn_tf2.runtime.predictor import concat_batches, load_model, predict_batch, predict_function, same_shape_batches
+from mrcnn_tf2.runtime.predictor import ModelBackend, concat_batches, open_backend, same_shape_batches
 
 RESULTS_FILE = "eval_results.json"
 DETECTIONS_FILE = "detections.json"
@@ -42,16 +42,16 @@ class Evaluation:
     time_s: dict  # seconds spent: input (reading batches), model, pasting (masks + RLE), cocoeval
 
 
-def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, world=SINGLE_PROCESS):
+def run_evaluation(backend, config, max_images=None, coco_gt=None, world=SINGLE_PROCESS):
     """Predicts over the validation images and scores the detections with COCOeval.
 
     Under a launcher every rank calls it: each predicts and encodes its share of the images (every
     world.size-th record, `InputPipeline.dataset`), and rank 0 gathers the detections and scores them once.
 
     Args:
-      model: a built MaskRCNN with the weights to evaluate.
+      backend: what predicts (`predictor.ModelBackend` of a model, or `predictor.ExportedBackend`), and its COCO
+        RLE mask encoder.
       config: the run's Config (data.validation pattern, eval.eval_batch_size, eval.eval_file, model...).
-      encode_masks: the COCO RLE mask encoder the factory chose (`OpChoice.mask_encoder`).
       max_images: evaluate at most this many images (in file order); None: eval.eval_samples, and all
         images when that is None too.
       coco_gt: the ground truth as a pycocotools COCO object; None loads eval.eval_file. Read on rank 0 only.
@@ -79,7 +79,6 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
     # at a time, each padded to its own multiple, and batch them here.
     dataset = InputPipeline(config, training=False).dataset(pattern, 1 if own_size else batch_size, world.rank,
                                                             world.size, max_images)
-    predict = predict_function(model, config.runtime.eagerly)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
     results, image_ids, dropped = [], [], 0
     batches = iter(dataset)
@@ -91,11 +90,11 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
         if batch is None:
             break
         toc = time.perf_counter()
-        outputs = predict_batch(predict, batch, None if own_size else batch_size)
+        outputs = backend(batch)
         time_s["input"] += toc - tic
         time_s["model"] += time.perf_counter() - toc
         tic = time.perf_counter()
-        batch_results, batch_dropped = coco_metrics.convert_detections(outputs, category_ids, encode_masks)
+        batch_results, batch_dropped = coco_metrics.convert_detections(outputs, category_ids, backend.mask_encoder)
         time_s["pasting"] += time.perf_counter() - tic
         results += batch_results
         dropped += batch_dropped
@@ -113,7 +112,7 @@ def run_evaluation(model, config, encode_masks, max_images=None, coco_gt=None, w
     results.sort(key=lambda result: result["image_id"])
     coco_metrics.warn_dropped(dropped, category_ids)
     tic = time.perf_counter()
-    iou_types = coco_metrics.IOU_TYPES if model.mask_head is not None else ("bbox",)
+    iou_types = coco_metrics.IOU_TYPES if config.model.include_mask else ("bbox",)
     try:
         metrics = coco_metrics.evaluate(coco_gt, results, image_ids, iou_types)
     except ValueError as err:
@@ -173,7 +172,8 @@ class TrainingEvaluator:
         rank: rank 0's decision)."""
         if not self.due(step, last_step):
             return False
-        evaluation = run_evaluation(model, self.config, self.encode_masks, coco_gt=self.coco_gt, world=self.world)
+        backend = ModelBackend(model, self.config, self.encode_masks, "the model in training")
+        evaluation = run_evaluation(backend, self.config, coco_gt=self.coco_gt, world=self.world)
         return self.world.broadcast_object(self.world.is_chief and self._report(evaluation, step, logger))
 
     def _report(self, evaluation, step, logger):
@@ -214,14 +214,15 @@ def run(config, world=SINGLE_PROCESS):
         return _fail(f"--eval_file {eval_file} does not exist.", world)
     total = time.perf_counter()
     try:
-        loaded = load_model(config, announce=world.is_chief)
+        backend = open_backend(config, announce=world.is_chief)
     except ValueError as err:
         return _fail(str(err), world)
+    loaded = backend.loaded  # None for an exported artefact
     coco_gt = coco_metrics.load_annotations(eval_file) if world.is_chief else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a dropped-detections warning must show on every run
-            evaluation = run_evaluation(loaded.model, config, loaded.ops.mask_encoder, coco_gt=coco_gt, world=world)
+            evaluation = run_evaluation(backend, config, coco_gt=coco_gt, world=world)
     except ValueError as err:
         return _fail(str(err), world)
     if not world.is_chief:
@@ -229,16 +230,17 @@ def run(config, world=SINGLE_PROCESS):
     time_s = {**evaluation.time_s, "total": time.perf_counter() - total}
     print(coco_metrics.format_table(evaluation.metrics))
     model_s = evaluation.time_s["model"]
-    print(f"[eval] {evaluation.num_images} images, checkpoint {loaded.checkpoint} (step {loaded.step}): "
+    print(f"[eval] {evaluation.num_images} images, {backend.description}: "
           + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in time_s.items()), flush=True)
     record = {
         "metrics": evaluation.metrics,
-        "checkpoint": loaded.checkpoint,
-        "step": loaded.step,
+        "checkpoint": loaded and loaded.checkpoint,
+        "step": loaded and loaded.step,
+        "exported": config.infer.exported,
         "num_images": evaluation.num_images,
         "num_detections": len(evaluation.results),
         "eval_file": eval_file,
-        "precision": loaded.policy,
+        "precision": loaded.policy if loaded else "float32",
         "time_s": time_s,
         # Includes the first batch's tracing, so it understates the steady-state rate of short runs.
         "model_images_per_s": evaluation.num_images / model_s if model_s > 0 else None,

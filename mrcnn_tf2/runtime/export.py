@@ -35,7 +35,8 @@ import tensorflow as tf
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data import preprocess
-from mrcnn_tf2.runtime import deploy
+from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.runtime import deploy, infer, predictor
 from mrcnn_tf2.runtime.predictor import LABEL_MAP_FILE, load_model
 
 SIGNATURES = ("serving_default", "serving_bytes", "serving_preprocessed")
@@ -120,7 +121,30 @@ def write_saved_model(model, preprocessor, export_dir):
                                                        "serving_preprocessed": module.serve_preprocessed})
 
 
-def export(config, model, export_dir):
+def calibration_inputs(config):
+    """The openvino_int8 calibration set: {"images", "image_info"} NumPy inputs of `deploy.detect_function` of up
+    to export.calibration_images images of export.calibration (photos), else of the validation TFRecords.
+
+    Raises ConfigError naming --calibration when it holds no readable image.
+    """
+    source = config.export.calibration
+    if source is not None:
+        paths = infer.list_image_files(source)
+        photos = infer.photos_from_files(paths[:config.export.calibration_images])
+    else:
+        photos = infer.photos_from_records(config.data.resolved_validation_pattern(), config.export.calibration_images)
+    preprocessor = preprocess.Preprocessor(config.data)
+    inputs = []
+    for photo in photos:
+        batch = predictor.preprocess(photo, preprocessor)
+        inputs.append({"images": batch["images"].numpy(), "image_info": batch["image_info"].numpy()})
+    if not inputs:
+        raise ConfigError("--calibration", f"{source or config.data.resolved_validation_pattern()}: no image to "
+                                           "calibrate openvino_int8 on")
+    return inputs
+
+
+def export(config, model, export_dir, calibration=None):
     """Writes the artefacts of config.export.formats, the run's config.json and the model directory's class names
     (if any) into `export_dir` (replaced when it exists), atomically: a failed conversion leaves nothing.
 
@@ -128,6 +152,7 @@ def export(config, model, export_dir):
       config: the run's Config.
       model: a built MaskRCNN made for export.
       export_dir: the directory.
+      calibration: `calibration_inputs(config)`, for openvino_int8.
     """
     formats = config.export.formats
     preprocessor = preprocess.Preprocessor(config.data)
@@ -140,7 +165,7 @@ def export(config, model, export_dir):
             function = deploy.detect_function(model, None if preprocessor.pad_to_multiple else
                                               preprocessor.image_size)
         for fmt in others:
-            deploy.convert(fmt, function, os.path.join(temporary, deploy.ARTEFACTS[fmt][0]))
+            deploy.convert(fmt, function, os.path.join(temporary, deploy.ARTEFACTS[fmt][0]), calibration)
         config.save(temporary)
         label_map = os.path.join(config.runtime.model_dir, LABEL_MAP_FILE)
         if os.path.isfile(label_map):
@@ -154,12 +179,13 @@ def run(config):
             if fmt != "saved_model":
                 deploy.require_extra(fmt)
         loaded = load_model(config, export=True)
+        calibration = calibration_inputs(config) if "openvino_int8" in config.export.formats else None
     except ValueError as err:
         print(f"[export] error: {err}", file=sys.stderr)
         return status.BAD_INPUT
     export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
     os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
-    export(config, loaded.model, export_dir)
+    export(config, loaded.model, export_dir, calibration)
     written = [("SavedModel (signatures " + ", ".join(SIGNATURES) + ")") if fmt == "saved_model"
                else deploy.ARTEFACTS[fmt][0] for fmt in config.export.formats]
     print(f"[export] checkpoint {loaded.checkpoint} (step {loaded.step}) -> {export_dir}: {'; '.join(written)}",

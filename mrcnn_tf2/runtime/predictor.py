@@ -288,17 +288,29 @@ def category_names(config):
 # -- backends and the Predictor ------------------------------------------------------------------------------
 
 
-class CheckpointBackend:
-    """The newest checkpoint of config.runtime.model_dir in TensorFlow: `backend(batch)` -> `predict_batch`'s
-    outputs. Batches of up to eval.eval_batch_size images of one padded shape."""
+class ModelBackend:
+    """A built MaskRCNN in TensorFlow: `backend(batch)` -> `predict_batch`'s outputs. Batches of up to
+    eval.eval_batch_size images (of one padded shape under data.pad_to_multiple)."""
 
-    def __init__(self, config):
-        self.loaded = load_model(config)
-        self.predict = predict_function(self.loaded.model, config.runtime.eagerly)
+    def __init__(self, model, config, mask_encoder, description):
+        """model: the built MaskRCNN; config: the run's Config; mask_encoder: its `OpChoice.mask_encoder`;
+        description: what it is, for the run's summary line."""
+        self.model = model
+        self.predict = predict_function(model, config.runtime.eagerly)
         self.batch_size = config.eval.eval_batch_size
         self.run_size = None if config.data.pad_to_multiple is not None else self.batch_size
-        self.mask_encoder = self.loaded.ops.mask_encoder
-        self.description = f"checkpoint {self.loaded.checkpoint}, step {self.loaded.step}"
+        self.mask_encoder = mask_encoder
+        self.description = description
+        self.loaded = None  # the LoadedModel, when made by `from_checkpoint`
+
+    @classmethod
+    def from_checkpoint(cls, config, announce=True):
+        """The newest checkpoint of config.runtime.model_dir (`load_model`)."""
+        loaded = load_model(config, announce=announce)
+        backend = cls(loaded.model, config, loaded.ops.mask_encoder,
+                      f"checkpoint {loaded.checkpoint}, step {loaded.step}")
+        backend.loaded = loaded
+        return backend
 
     def __call__(self, batch):
         return predict_batch(self.predict, batch, self.run_size)
@@ -306,7 +318,7 @@ class CheckpointBackend:
 
 class ExportedBackend:
     """An exported artefact (`deploy.Runner`: one image per call) or an export directory's SavedModel (its
-    serving_preprocessed signature): `backend(batch)` -> the same outputs as `CheckpointBackend`."""
+    serving_preprocessed signature): `backend(batch)` -> the same outputs as `ModelBackend`."""
 
     def __init__(self, config, path):
         if os.path.isdir(path):
@@ -326,6 +338,7 @@ class ExportedBackend:
             self.run = deploy.Runner(path)
             self.batch_size, self.description = 1, f"{self.run.format} {path}"
         self.mask_encoder = choose_ops(config, export=True).mask_encoder
+        self.loaded = None
 
     def __call__(self, batch):
         images, image_info = np.asarray(batch["images"]), np.asarray(batch["image_info"])
@@ -334,10 +347,11 @@ class ExportedBackend:
         return {**outputs, "image_info": image_info, "source_ids": np.asarray(batch["source_ids"])}
 
 
-def open_backend(config):
-    """config.infer.exported's backend, else the checkpoint's. Raises ValueError (ConfigError) naming the file."""
+def open_backend(config, announce=True):
+    """config.infer.exported's backend, else the newest checkpoint's (`load_model`, which prints what it built
+    when `announce`). Raises ValueError (ConfigError) naming the file."""
     exported = config.infer.exported
-    return CheckpointBackend(config) if exported is None else ExportedBackend(config, exported)
+    return ModelBackend.from_checkpoint(config, announce) if exported is None else ExportedBackend(config, exported)
 
 
 class Predictor:

@@ -1,0 +1,77 @@
+"""Inference speed of one model in each runtime, one run: TensorFlow on the newest checkpoint, and every artefact
+`main.py export --format ...` wrote (onnx, tflite, tflite_fp16, openvino, openvino_int8).
+
+    .venv/bin/python scripts/benchmark_runtimes.py --model_dir demo/model --export_dir demo/model/saved_model \\
+        --input 'photos/*.jpg' --rounds 3
+
+Each backend is `mrcnn_tf2.runtime.predictor`'s (the path of `main.py infer`): the same preprocessed images, one
+image per call (batch 1), outputs copied to the host; reading and preprocessing are left out, and so is mask
+pasting. Rounds alternate the order of the backends (forwards, then backwards) so that drifts of the machine
+fall on all of them; each round runs every image once per backend after one warm-up image. Prints the CPU's
+instruction-set flags, then per backend the images per second over all rounds and the median latency.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mrcnn_tf2.arguments import parse  # noqa: E402
+from mrcnn_tf2.data.preprocess import Preprocessor  # noqa: E402
+from mrcnn_tf2.runtime import deploy, infer, predictor  # noqa: E402
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_flags():
+    """The CPU_FLAGS that /proc/cpuinfo lists."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in CPU_FLAGS if flag in flags]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model_dir", required=True, help="a trained model directory (TensorFlow backend)")
+    parser.add_argument("--export_dir", required=True, help="its export directory (the other backends)")
+    parser.add_argument("--input", help="images (file, folder, glob); default: the validation TFRecords")
+    parser.add_argument("--images", type=int, default=8, help="images per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    config = parse(["infer", "--model_dir", args.model_dir])[1]
+    photos = (infer.photos_from_files(infer.list_image_files(args.input)[:args.images]) if args.input else
+              infer.photos_from_records(config.data.resolved_validation_pattern(), args.images))
+    preprocessor = Preprocessor(config.data)
+    batches = [predictor.preprocess(photo, preprocessor) for photo in photos]
+    backends = {"tensorflow": predictor.ModelBackend.from_checkpoint(config, announce=False)}
+    for fmt, (name, _, _) in deploy.ARTEFACTS.items():
+        if os.path.isfile(os.path.join(args.export_dir, name)):
+            backends[fmt] = predictor.ExportedBackend(config, os.path.join(args.export_dir, name))
+    print(f"[benchmark] CPU flags: {' '.join(cpu_flags()) or 'none of ' + ' '.join(CPU_FLAGS)}; "
+          f"{len(batches)} images of {sorted({tuple(b['images'].shape[1:3]) for b in batches})}; "
+          f"backends: {', '.join(backends)}", flush=True)
+    latencies = {name: [] for name in backends}
+    for round_index in range(args.rounds):
+        order = list(backends) if round_index % 2 == 0 else list(reversed(backends))
+        for name in order:
+            backends[name](batches[0])  # warm-up (first traces, allocations)
+            for batch in batches:
+                tic = time.perf_counter()
+                backends[name](batch)
+                latencies[name].append(time.perf_counter() - tic)
+    reference = len(latencies["tensorflow"]) / sum(latencies["tensorflow"])
+    for name, times in latencies.items():
+        rate = len(times) / sum(times)
+        print(f"{name:14s} {rate:7.3f} img/s  median {1000 * statistics.median(times):7.1f} ms  "
+              f"{rate / reference:5.2f}x tensorflow", flush=True)
+
+
+if __name__ == "__main__":
+    main()
