@@ -14,14 +14,11 @@ instruction-set flags, then per backend the images per second over all rounds an
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mrcnn_tf2.arguments import parse  # noqa: E402
-from mrcnn_tf2.data.preprocess import Preprocessor  # noqa: E402
-from mrcnn_tf2.runtime import deploy, infer, predictor  # noqa: E402
+from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.data.preprocess import Preprocessor
+from mrcnn_tf2.runtime import deploy, infer, predictor
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 

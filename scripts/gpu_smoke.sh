@@ -73,7 +73,7 @@ print("--amp policy:", policy)
 assert policy == "mixed_float16", policy
 ops = choose_ops(Config())
 print(ops.describe())
-assert ops.device == "GPU" and not ops.fused and ops.conv_route == "cudnn", ops
+assert ops.device == "GPU" and not ops.fused and ops.conv_route == "plain", ops
 config = Config()
 config.runtime.custom_ops = "on"
 try:
