@@ -42,7 +42,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
-    config = parse(["infer", "--model_dir", args.model_dir])[1]
+    # Batch 1 for TensorFlow too (on the canvas a smaller batch would be padded to eval_batch_size).
+    config = parse(["infer", "--model_dir", args.model_dir, "--eval_batch_size", "1"])[1]
     photos = (infer.photos_from_files(infer.list_image_files(args.input)[:args.images]) if args.input else
               infer.photos_from_records(config.data.resolved_validation_pattern(), args.images))
     preprocessor = Preprocessor(config.data)

@@ -282,3 +282,20 @@ def test_eval_of_an_exported_artefact_gives_the_checkpoints_ap(model_dir, export
     assert found["num_detections"] == expected["num_detections"] > 0
     for key, value in expected["metrics"].items():
         assert abs(found["metrics"][key] - value) <= 1e-4, key
+
+
+@pytest.mark.timeout(300)
+def test_an_exported_backend_runs_every_image_of_a_batch_as_alone(exported):
+    config = config_for("infer", exported)
+    preprocessor = Preprocessor(config.data)
+    batch = predictor.concat_batches([predictor.preprocess(predictor.Photo(i, "photo", photo(96, 128, seed)),
+                                                           preprocessor) for i, seed in enumerate((3, 4))])
+    for path in (exported, os.path.join(exported, "model.onnx")):  # the SavedModel runs batches, the others 1
+        backend = predictor.ExportedBackend(config, path)
+        both = backend(batch)
+        assert both["source_ids"].tolist() == [0, 1]
+        for i in range(2):
+            alone = backend({key: value[i:i + 1] for key, value in batch.items()})
+            assert both["num_detections"][i] == alone["num_detections"][0] > 0, path
+            np.testing.assert_allclose(both["detection_scores"][i], alone["detection_scores"][0], atol=1e-6)
+            np.testing.assert_allclose(both["detection_boxes"][i], alone["detection_boxes"][0], atol=1e-4)

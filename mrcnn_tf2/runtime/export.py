@@ -162,8 +162,7 @@ def export(config, model, export_dir, calibration=None):
             write_saved_model(model, preprocessor, temporary)
         others = [fmt for fmt in formats if fmt != "saved_model"]
         if others:
-            function = deploy.detect_function(model, None if preprocessor.pad_to_multiple else
-                                              preprocessor.image_size)
+            function = deploy.detect_function(model)
         for fmt in others:
             deploy.convert(fmt, function, os.path.join(temporary, deploy.ARTEFACTS[fmt][0]), calibration)
         config.save(temporary)

@@ -342,7 +342,8 @@ class ExportedBackend:
 
     def __call__(self, batch):
         images, image_info = np.asarray(batch["images"]), np.asarray(batch["image_info"])
-        outputs = [self.run(images[i:i + 1], image_info[i:i + 1]) for i in range(0, len(images), self.batch_size)]
+        outputs = [self.run(images[i:i + self.batch_size], image_info[i:i + self.batch_size])
+                   for i in range(0, len(images), self.batch_size)]
         outputs = {key: np.concatenate([out[key] for out in outputs]) for key in outputs[0]}
         return {**outputs, "image_info": image_info, "source_ids": np.asarray(batch["source_ids"])}
 
