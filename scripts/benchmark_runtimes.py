@@ -16,10 +16,6 @@ import os
 import statistics
 import time
 
-from mrcnn_tf2.arguments import parse
-from mrcnn_tf2.data.preprocess import Preprocessor
-from mrcnn_tf2.runtime import deploy, infer, predictor
-
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -41,6 +37,10 @@ def main(argv=None):
     parser.add_argument("--images", type=int, default=8, help="images per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    # After the arguments: --help answers without starting TensorFlow.
+    from mrcnn_tf2.arguments import parse
+    from mrcnn_tf2.data.preprocess import Preprocessor
+    from mrcnn_tf2.runtime import deploy, infer, predictor
 
     # Batch 1 for TensorFlow too (on the canvas a smaller batch would be padded to eval_batch_size).
     config = parse(["infer", "--model_dir", args.model_dir, "--eval_batch_size", "1"])[1]
