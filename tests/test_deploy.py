@@ -144,6 +144,26 @@ def test_a_format_whose_extra_is_missing_is_one_line_naming_the_extra(tmp_path, 
     assert os.listdir(tmp_path) == []  # nothing written
 
 
+def test_amp_with_another_format_is_one_line_and_a_failed_conversion_leaves_nothing(model_dir, tmp_path, monkeypatch,
+                                                                                       capsys):
+    export_dir = tmp_path / "exported"
+    config = config_for("export", model_dir, "--export_dir", str(export_dir), "--format", "onnx", "--amp")
+    assert export.run(config) == status.BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--amp" in err and "onnx" in err, err
+
+    def fail_tflite(fmt, function, path, calibration=None):
+        if fmt == "tflite":
+            raise RuntimeError("conversion failed")
+        open(path, "wb").close()
+
+    monkeypatch.setattr(deploy, "convert", fail_tflite)
+    config = config_for("export", model_dir, "--export_dir", str(export_dir), "--format", "onnx", "tflite")
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        export.run(config)
+    assert os.listdir(tmp_path) == []  # neither the directory nor its temporary
+
+
 def test_an_artefact_that_is_not_its_format_is_refused_naming_the_file(tmp_path):
     fake = tmp_path / "model.onnx"
     fake.write_bytes(b"not an onnx model")

@@ -174,9 +174,12 @@ def export(config, model, export_dir, calibration=None):
 def run(config):
     """Entry point of `main.py export`; returns the exit status."""
     try:
-        for fmt in config.export.formats:
-            if fmt != "saved_model":
-                deploy.require_extra(fmt)
+        others = [fmt for fmt in config.export.formats if fmt != "saved_model"]
+        if others and config.runtime.amp:
+            raise ConfigError("--amp", f"{', '.join(others)} are float32 graphs (tflite_fp16 and openvino_int8 lower "
+                                       "the precision themselves): export them without --amp")
+        for fmt in others:
+            deploy.require_extra(fmt)
         loaded = load_model(config, export=True)
         calibration = calibration_inputs(config) if "openvino_int8" in config.export.formats else None
     except ValueError as err:
