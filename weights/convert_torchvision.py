@@ -115,7 +115,7 @@ def write_model_dir(model, config, output_dir, metadata, label_map=None):
     checkpoint would miss some of the model's variables."""
     import tensorflow as tf
 
-    from mrcnn_tf2.runtime.infer import LABEL_MAP_FILE
+    from mrcnn_tf2.runtime.predictor import LABEL_MAP_FILE
 
     output_dir = os.path.abspath(output_dir)
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
