@@ -212,8 +212,6 @@ def read_image(path):
         return np.asarray(image.convert("RGB"))
 
 
-
-
 def preprocess(photo, preprocessor):
     """The model input of one photo, resized, normalised and padded as the input pipeline does (to the canvas,
     or to its own size rounded up to data.pad_to_multiple).
@@ -231,7 +229,7 @@ def preprocess(photo, preprocessor):
 
 def photo_batches(photos, preprocessor, batch_size):
     """Yields (photos, model input batch) of up to `batch_size` of `photos` that share a padded shape
-    (`predictor.same_shape_batches`): each photo's detections are those it gets alone. On the canvas that is
+    (`same_shape_batches`): each photo's detections are those it gets alone. On the canvas that is
     every photo, batched in order.
 
     Args:
@@ -245,6 +243,7 @@ def photo_batches(photos, preprocessor, batch_size):
         yield [photo for photo, _ in group], concat_batches([batch for _, batch in group])
 
 
+# -- class names --------------------------------------------------------------------------------------------
 
 
 def read_label_map(path):
@@ -321,6 +320,8 @@ class ExportedBackend:
     serving_preprocessed signature): `backend(batch)` -> the same outputs as `ModelBackend`."""
 
     def __init__(self, config, path):
+        """config: the run's Config (eval.eval_batch_size, model.test.mask_paste); path: an artefact file, or an
+        export directory for its SavedModel. Raises ConfigError naming --exported for anything else."""
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "saved_model.pb")):
                 artefacts = ", ".join(name for name, _, _ in deploy.ARTEFACTS.values())
@@ -387,6 +388,8 @@ class Predictor:
             yield chunk, self.backend(batch)
 
     def __call__(self, images):
+        """images: a path or uint8 [h, w, 3] RGB array, or a list of them -> the dict of the class docstring for
+        each (one dict for one image)."""
         single = not isinstance(images, (list, tuple))
         images = [images] if single else list(images)
         photos = [Photo(index, str(image) if isinstance(image, (str, os.PathLike)) else f"image {index}",
