@@ -106,12 +106,10 @@ def convert(fmt, function, path, calibration=None):
 
 
 def format_of(path):
-    """The format of an artefact file (by its name), or ConfigError naming it."""
-    for fmt, (name, _, _) in ARTEFACTS.items():
-        if path.endswith(os.path.basename(name)) and (fmt != "tflite" or not path.endswith("_fp16.tflite")):
-            return fmt
-    suffix = os.path.splitext(path)[1]
+    """The runtime an artefact file needs, by its suffix ("onnx", "tflite" or "openvino"), or ConfigError naming
+    it."""
     formats = {".onnx": "onnx", ".tflite": "tflite", ".xml": "openvino"}
+    suffix = os.path.splitext(path)[1]
     if suffix in formats:
         return formats[suffix]
     raise ConfigError("--exported", f"{path}: not an exported artefact (.onnx, .tflite or OpenVINO .xml)")
@@ -121,12 +119,12 @@ class Runner:
     """An exported artefact in its runtime: `runner(images, image_info)` -> {output name: NumPy array}, with the
     inputs and outputs of the module docstring."""
 
-    def __init__(self, path, fmt=None):
+    def __init__(self, path):
         self.path = path
-        self.format = fmt or format_of(path)
+        self.format = format_of(path)
         require_extra(self.format)
         try:
-            self._run = getattr(self, f"_load_{self.format.split('_')[0]}")(path)
+            self._run = getattr(self, f"_load_{self.format}")(path)
         except Exception as err:  # each runtime has its own exception types for a file it cannot read
             raise ConfigError("--exported", f"{path}: not a readable {self.format} model ({err})") from None
 

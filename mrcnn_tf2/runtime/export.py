@@ -108,7 +108,7 @@ class ServingModule(tf.Module):
 
 
 def write_saved_model(model, preprocessor, export_dir):
-    """Saves `model` with both serving signatures into the directory `export_dir`.
+    """Saves `model` with its serving signatures (SIGNATURES) into the directory `export_dir`.
 
     Args:
       model: a built MaskRCNN made for export (`build_model(config, export=True)`: pure-TF ops).
