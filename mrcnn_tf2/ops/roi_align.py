@@ -209,12 +209,16 @@ def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2, aligned
     row_start = tf.gather(offsets, level_index)[..., None] + y_index * tf.cast(width, tf.int32)[..., None]
     flat = row_start[..., :, None] + x_index[..., None, :]
     batch, num_boxes = tf.shape(boxes)[0], tf.shape(boxes)[1]
-    grid = tf.gather(table, tf.reshape(flat, [batch, -1]), batch_dims=1)
+    # One gather from the [B * T, C] table rather than a gather with a batch dimension, which OpenVINO's CPU
+    # plugin runs with its reference kernel.
+    flat += (tf.range(batch) * tf.shape(table)[1])[:, None, None, None]
+    grid = tf.gather(tf.reshape(table, [-1, channels]), tf.reshape(flat, [-1]))
     taps = 2 * output_size * sampling_ratio
-    grid = tf.reshape(grid, [batch, num_boxes, taps, taps, channels])
+    grid = tf.reshape(grid, [batch, num_boxes, taps, taps * channels])
 
+    # The two separable reductions as matrix products (einsum became transposes around them in OpenVINO).
     y_bins = _bin_weights(y_weight, output_size, sampling_ratio)  # [B, N, R, 2S]
     x_bins = _bin_weights(x_weight, output_size, sampling_ratio)
-    pooled = tf.einsum("bnia,bnatc->bnitc", y_bins, grid)
-    pooled = tf.einsum("bnjt,bnitc->bnijc", x_bins, pooled)
+    pooled = tf.reshape(tf.matmul(y_bins, grid), [batch, num_boxes, output_size, taps, channels])
+    pooled = tf.matmul(tf.expand_dims(x_bins, 2), pooled)  # [B, N, 1, R, 2S] x [B, N, R, 2S, C]
     return tf.cast(pooled, dtype)
