@@ -22,8 +22,12 @@ import subprocess
 import sys
 import tempfile
 
-# A sibling script: Python puts the directory of the script it runs first on sys.path.
-from benchmark_pipeline import ROOT, generated_records
+# A sibling script: run as a file, Python puts this folder first on sys.path; imported as scripts.benchmark_model
+# (by the tests), it is a module of the scripts package.
+if __package__:
+    from .benchmark_pipeline import ROOT, generated_records
+else:
+    from benchmark_pipeline import ROOT, generated_records
 
 ALLOCATORS = {
     "default": {},
@@ -33,6 +37,20 @@ ALLOCATORS = {
 }
 # main.py mode and the batch-size flag of each measured step.
 MODES = {"train": ("train", "--train_batch_size"), "predict": ("infer", "--eval_batch_size")}
+# Random weights at NVIDIA's learning rate diverge within a few steps (a non-finite loss stops the run); a
+# step's cost does not depend on the rate. 1e-5 at learning_rate_batch_size images, with no warm-up.
+STABLE_LEARNING_RATE = ("--init_learning_rate", "1e-5", "--learning_rate_values", "1e-5",
+                        "--learning_rate_boundaries", "0")
+
+
+def run_measured(argv, env=None):
+    """Runs `argv` in the checkout to its end; returns (its output, stdout and stderr interleaved; its exit
+    code; its peak resident memory in GiB, from wait4)."""
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    # ru_maxrss is in KiB on Linux.
+    return output, os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20
 
 
 def run_case(pattern, mode, batch_size, precision, allocator, args):
@@ -51,22 +69,15 @@ def run_case(pattern, mode, batch_size, precision, allocator, args):
                 "--log_warmup_steps", str(args.warmup), "--benchmark_steps", str(args.steps),
                 "--custom_ops", args.custom_ops, "--seed", "0"]
         if mode == "train":
-            # Random weights at NVIDIA's learning rate diverge within a few steps (a non-finite loss stops the
-            # run); a step's cost does not depend on the rate.
-            argv += ["--init_learning_rate", "1e-5", "--learning_rate_values", "1e-5",
-                     "--learning_rate_boundaries", "0"]
+            argv += STABLE_LEARNING_RATE
         if precision == "bf16":
             argv.append("--amp")
-        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True)
-        output = process.stdout.read()
-        _, status, usage = os.wait4(process.pid, 0)
+        output, code, peak_rss_gib = run_measured(argv, env)
     records = [json.loads(line) for line in output.splitlines() if line.startswith('{"benchmark"')]
-    if os.waitstatus_to_exitcode(status) != 0 or not records:
+    if code != 0 or not records:
         print(f"[benchmark] {mode} bs{batch_size} {precision} {allocator} failed:\n{output[-3000:]}", file=sys.stderr)
         return None
-    # ru_maxrss is in KiB on Linux.
-    return dict(records[-1], mode=mode, allocator=allocator, peak_rss_gib=usage.ru_maxrss / 2**20)
+    return dict(records[-1], mode=mode, allocator=allocator, peak_rss_gib=peak_rss_gib)
 
 
 def main(argv=None):
@@ -98,7 +109,8 @@ def main(argv=None):
                   f"{record['peak_rss_gib']:8.2f}", flush=True)
     for row in rows:
         print(json.dumps(row))
-    return 0 if len(rows) == len(args.modes) * len(args.batch_sizes) * len(args.precisions) * len(args.allocators) else 1
+    cases = len(args.modes) * len(args.batch_sizes) * len(args.precisions) * len(args.allocators)
+    return 0 if len(rows) == cases else 1
 
 
 if __name__ == "__main__":

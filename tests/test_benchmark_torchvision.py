@@ -1,0 +1,51 @@
+"""scripts/benchmark_torchvision.py --mode train: what each side is asked to run, and when bfloat16 is measured
+(no benchmark runs here)."""
+
+import pytest
+
+from mrcnn_tf2.arguments import parse
+from scripts import benchmark_torchvision as bench
+
+
+def test_bfloat16_is_measured_only_on_a_cpu_with_bfloat16_instructions():
+    assert bench.bfloat16_unmeasured(["avx2", "avx512f", "avx512_vnni"]).startswith("bfloat16 not measured")
+    assert bench.bfloat16_unmeasured(["avx2", "avx512f", "avx512_bf16"]) is None
+    assert bench.bfloat16_unmeasured(["avx2", "amx_bf16"]) is None
+    # The flags with which --amp picks bfloat16 on a CPU: the script cannot import them without Keras.
+    from mrcnn_tf2.runtime.precision import BFLOAT16_CPU_FLAGS
+    assert bench.BFLOAT16_CPU_FLAGS == BFLOAT16_CPU_FLAGS
+
+
+@pytest.mark.parametrize("setting, precision, freeze_bn, freeze_blocks", [
+    ("finetune", "fp32", True, (0, 1)), ("finetune", "bf16", True, (0, 1)), ("scratch", "fp32", False, ()),
+])
+def test_ours_trains_the_preset_with_what_the_setting_freezes(tmp_path, setting, precision, freeze_bn, freeze_blocks):
+    argv = bench.package_train_command(setting, precision, "records/*.tfrecord", str(tmp_path / "converted"),
+                                       str(tmp_path / "run"), steps=5, warmup=2, min_size=800)
+    assert "--image_size" not in argv  # the preset's sizes
+    config = parse(argv)[1]
+    assert (config.model.freeze_bn, config.model.freeze_blocks) == (freeze_bn, freeze_blocks)
+    assert config.train.init_checkpoint == (str(tmp_path / "converted") if setting == "finetune" else None)
+    assert (config.runtime.amp, config.runtime.amp_dtype) == ((True, "bfloat16") if precision == "bf16" else
+                                                              (False, "auto"))
+    assert (config.train.train_batch_size, config.data.use_synthetic_data, config.runtime.benchmark) == (2, True, True)
+    assert (config.data.image_size, config.data.resize_min_size, config.data.resize_max_size) == ((1344, 1344), 800,
+                                                                                                 1333)
+
+
+def test_smaller_scenes_and_a_tight_canvas_reach_both_sides():
+    assert bench.train_sizes(800) == (1333, (1344, 1344))
+    assert bench.train_sizes(320) == (533, (576, 576))
+    argv = bench.package_train_command("scratch", "fp32", "r", "c", "m", 1, 1, min_size=320, image_size=(320, 448))
+    config = parse(argv)[1]
+    assert (config.data.image_size, config.data.resize_min_size, config.data.resize_max_size) == ((320, 448), 320, 533)
+
+
+def test_train_flags_belong_to_the_train_mode():
+    args = bench.parse_args(["--mode", "train"])
+    assert (args.steps, args.warmup, args.settings, args.precisions, args.min_size) == (
+        5, 2, ["scratch", "finetune"], ["fp32", "bf16"], 800)
+    assert (bench.parse_args([]).steps, bench.parse_args([]).warmup) == (10, 3)
+    for argv in (["--precisions", "fp32"], ["--mode", "train", "--model", "v2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
