@@ -8,7 +8,9 @@ Each backend is `mrcnn_tf2.runtime.predictor`'s (the path of `main.py infer`): t
 image per call (batch 1), outputs copied to the host; reading and preprocessing are left out, and so is mask
 pasting. Rounds alternate the order of the backends (forwards, then backwards) so that drifts of the machine
 fall on all of them; each round runs every image once per backend after one warm-up image. Prints the CPU's
-instruction-set flags, then per backend the images per second over all rounds and the median latency.
+instruction-set flags, then per backend the images per second over all rounds, the median latency, and how many of
+TensorFlow's detections it gives too (averaged over the images): the same ones (class, box IoU >= 0.9, score within
+0.01) and close ones (class, IoU >= 0.5).
 """
 
 import argparse
@@ -56,19 +58,25 @@ def main(argv=None):
           f"{len(batches)} images of {sorted({tuple(b['images'].shape[1:3]) for b in batches})}; "
           f"backends: {', '.join(backends)}", flush=True)
     latencies = {name: [] for name in backends}
+    detections = {name: [None] * len(batches) for name in backends}
     for round_index in range(args.rounds):
         order = list(backends) if round_index % 2 == 0 else list(reversed(backends))
         for name in order:
             backends[name](batches[0])  # warm-up (first traces, allocations)
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 tic = time.perf_counter()
-                backends[name](batch)
+                detections[name][index] = backends[name](batch)
                 latencies[name].append(time.perf_counter() - tic)
     reference = len(latencies["tensorflow"]) / sum(latencies["tensorflow"])
     for name, times in latencies.items():
         rate = len(times) / sum(times)
+        # The share of TensorFlow's detections each backend gives too, over all images: the same (class, box IoU
+        # >= 0.9, score within 0.01) and close (class, IoU >= 0.5, any score).
+        same, close = (statistics.mean(deploy.matched_fraction(found, expected, min_iou, tolerance)
+                                       for found, expected in zip(detections[name], detections["tensorflow"]))
+                       for min_iou, tolerance in ((0.9, 0.01), (0.5, None)))
         print(f"{name:14s} {rate:7.3f} img/s  median {1000 * statistics.median(times):7.1f} ms  "
-              f"{rate / reference:5.2f}x tensorflow", flush=True)
+              f"{rate / reference:5.2f}x tensorflow  detections same {same:6.1%} close {close:6.1%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,29 +35,6 @@ TOLERANCES = (1e-3, 1e-5, 1e-4)
 LOGIT_SPREAD = 30.0
 
 
-def iou(a, b):
-    """[N, 4] x [M, 4] boxes [ymin, xmin, ymax, xmax] -> [N, M] IoU."""
-    low, high = np.maximum(a[:, None, :2], b[None, :, :2]), np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.prod(np.clip(high - low, 0, None), axis=-1)
-    area = lambda boxes: np.prod(boxes[:, 2:] - boxes[:, :2], axis=-1)  # noqa: E731
-    return inter / (area(a)[:, None] + area(b)[None, :] - inter)
-
-
-def matched_fraction(outputs, expected, count):
-    """The fraction of the SavedModel's `count` detections that `outputs` holds too: same class, box IoU >= 0.9,
-    score within 0.01, each matched once."""
-    overlap = iou(expected["detection_boxes"][0, :count], outputs["detection_boxes"][0, :count])
-    free, matched = set(range(count)), 0
-    for i in range(count):
-        for j in sorted(free, key=lambda j: -overlap[i, j]):
-            if (overlap[i, j] >= 0.9 and outputs["detection_classes"][0, j] == expected["detection_classes"][0, i]
-                    and abs(outputs["detection_scores"][0, j] - expected["detection_scores"][0, i]) <= 0.01):
-                free.remove(j)
-                matched += 1
-                break
-    return matched / count
-
-
 def config_for(mode, model_dir, *flags):
     return parse([mode, *SMALL_FLAGS, *OWN_SIZE_FLAGS, "--model_dir", model_dir, *flags])[1]
 
@@ -109,7 +86,7 @@ def test_each_artefact_gives_the_saved_models_detections_in_its_runtime(exported
         count = int(expected["num_detections"][0])
         if fmt == "tflite_fp16":  # float16 weights: the scores move by about 1e-3, and near-ties change places
             assert count > 0 and abs(int(outputs["num_detections"][0]) - count) <= count // 10, where
-            assert matched_fraction(outputs, expected, min(count, int(outputs["num_detections"][0]))) >= 0.8, where
+            assert deploy.matched_fraction(outputs, expected) >= 0.8, where
             continue
         assert count > 0 and int(outputs["num_detections"][0]) == count, where
         np.testing.assert_array_equal(outputs["detection_classes"][0, :count],

@@ -144,6 +144,38 @@ def format_of(path):
     raise ConfigError("--exported", f"{path}: not an exported artefact (.onnx, .tflite or OpenVINO .xml)")
 
 
+def box_iou(a, b):
+    """[N, 4] x [M, 4] boxes [ymin, xmin, ymax, xmax] -> [N, M] IoU (NumPy)."""
+    low, high = np.maximum(a[:, None, :2], b[None, :, :2]), np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(high - low, 0, None), axis=-1)
+    area_a, area_b = (np.prod(boxes[:, 2:] - boxes[:, :2], axis=-1) for boxes in (a, b))
+    return inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-12)
+
+
+def matched_fraction(found, expected, min_iou=0.9, score_tolerance=0.01):
+    """How many of one image's `expected` detections `found` holds too, as a fraction: each of the first
+    n = min(both num_detections) expected ones matched once by one of the first n found ones of its class, its
+    box at IoU >= `min_iou` and its score within `score_tolerance` (None: any score). 1.0 when n is 0.
+
+    found, expected: outputs of a batch of one (`Runner`, a backend of runtime.predictor): detection_boxes
+      [1, K, 4], detection_classes [1, K], detection_scores [1, K], num_detections [1].
+    """
+    count = min(int(found["num_detections"][0]), int(expected["num_detections"][0]))
+    if count == 0:
+        return 1.0
+    overlap = box_iou(expected["detection_boxes"][0, :count], found["detection_boxes"][0, :count])
+    free, matched = set(range(count)), 0
+    for i in range(count):
+        for j in sorted(free, key=lambda j: -overlap[i, j]):
+            score_gap = abs(found["detection_scores"][0, j] - expected["detection_scores"][0, i])
+            if (overlap[i, j] >= min_iou and found["detection_classes"][0, j] == expected["detection_classes"][0, i]
+                    and (score_tolerance is None or score_gap <= score_tolerance)):
+                free.remove(j)
+                matched += 1
+                break
+    return matched / count
+
+
 class Runner:
     """An exported artefact in its runtime: `runner(images, image_info)` -> {output name: NumPy array}, with the
     inputs and outputs of the module docstring."""
