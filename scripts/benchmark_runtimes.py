@@ -11,9 +11,13 @@ fall on all of them; each round runs every image once per backend after one warm
 instruction-set flags, then per backend the images per second over all rounds, the median latency, and how many of
 TensorFlow's detections it gives too (averaged over the images): the same ones (class, box IoU >= 0.9, score within
 0.01) and close ones (class, IoU >= 0.5).
+
+--profile: then, for each OpenVINO artefact, where its time goes: the CPU plugin's per-node timings (PERF_COUNT)
+of one call per image, summed by node type, per image.
 """
 
 import argparse
+import collections
 import os
 import statistics
 import time
@@ -38,6 +42,7 @@ def main(argv=None):
     parser.add_argument("--input", help="images (file, folder, glob); default: the validation TFRecords")
     parser.add_argument("--images", type=int, default=8, help="images per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="OpenVINO's time per node type, per image")
     args = parser.parse_args(argv)
     # After the arguments: --help answers without starting TensorFlow.
     from mrcnn_tf2.arguments import parse
@@ -77,6 +82,31 @@ def main(argv=None):
                        for min_iou, tolerance in ((0.9, 0.01), (0.5, None)))
         print(f"{name:14s} {rate:7.3f} img/s  median {1000 * statistics.median(times):7.1f} ms  "
               f"{rate / reference:5.2f}x tensorflow  detections same {same:6.1%} close {close:6.1%}", flush=True)
+    if args.profile:
+        for fmt, (name, runtime, _) in deploy.ARTEFACTS.items():
+            if runtime == "openvino" and fmt in backends:
+                print_openvino_profile(fmt, os.path.join(args.export_dir, name), batches)
+
+
+def print_openvino_profile(fmt, path, batches):
+    """Prints the OpenVINO model at `path`'s node time by type, per image, over one call per batch (after one
+    untimed call), compiled as `deploy.Runner` compiles it."""
+    import openvino
+    import openvino.properties.hint as hints
+
+    compiled = openvino.Core().compile_model(path, "CPU", {hints.inference_precision: openvino.Type.f32,
+                                                           "PERF_COUNT": "YES"})
+    request = compiled.create_infer_request()
+    by_type = collections.Counter()
+    for index, batch in enumerate([batches[0]] + batches):
+        request.infer({"images": batch["images"], "image_info": batch["image_info"]})
+        if index:
+            for node in request.profiling_info:
+                by_type[f"{node.node_type} ({node.exec_type.split('_')[-1]})"] += node.real_time.total_seconds()
+    total = sum(by_type.values())
+    print(f"{fmt}: {1000 * total / len(batches):.1f} ms of node time per image", flush=True)
+    for kind, seconds in by_type.most_common(10):
+        print(f"    {kind:44s} {1000 * seconds / len(batches):7.1f} ms  {seconds / total:6.1%}", flush=True)
 
 
 if __name__ == "__main__":
