@@ -1,4 +1,4 @@
-"""Where the time of a train step or a predict step goes, by stage of the model and by TensorFlow op type.
+"""Where the time of a train step or a predict step goes, by stage of the model, by TensorFlow op type and by op.
 
     .venv/bin/python scripts/profile_step.py [--steps 3] [--top 15] -- train --backbone resnet50 \
         --image_size 832 1344 --train_batch_size 2 --data_dir D --use_synthetic_data
@@ -14,7 +14,8 @@ steps run untraced; then --steps steps run under the TensorFlow profiler and the
 - op time per step by stage: the model part an op belongs to (backbone, fpn, rpn_head, box_head,
   mask_head: the op name's Keras scope), or, outside the layers, the ops' own kind (RoIAlign, proposals,
   sampling, losses and the rest, by op type); forward and backward together;
-- op time per step by op type (Conv2D, its backprops, the fused ops' kernels, ...).
+- op time per step by op type (Conv2D, its backprops, the fused ops' kernels, ...);
+- the heaviest ops themselves, by type and name.
 
 Op times are summed over both threads of the CPU pool, so their total can exceed the wall time.
 """
@@ -141,19 +142,21 @@ def main(argv=None):
             step()
         wall = (time.perf_counter() - tic) / args.steps
         tf.profiler.experimental.stop()
-        by_stage, by_type = collections.Counter(), collections.Counter()
+        by_stage, by_type, by_op = collections.Counter(), collections.Counter(), collections.Counter()
         for name, kind, seconds in op_events(logdir):
             by_stage[stage_of(name, kind)] += seconds / args.steps
             by_type[kind] += seconds / args.steps
+            by_op[f"{kind} {name}"] += seconds / args.steps
     total = sum(by_type.values())
     print(f"{cli.mode} step: {wall:.3f} s wall, {total:.3f} s of op time (both threads), {args.steps} steps profiled")
-    for title, table in (("by stage", by_stage), ("by op type", by_type)):
-        print(f"\n{title:<40} {'s/step':>8} {'share':>6}")
+    for title, table in (("by stage", by_stage), ("by op type", by_type), ("by op (type and name)", by_op)):
+        width = max(40, *(len(key) for key, _ in table.most_common(args.top)))
+        print(f"\n{title:<{width}} {'s/step':>8} {'share':>6}")
         for key, seconds in table.most_common(args.top):
-            print(f"{key:<40} {seconds:8.3f} {seconds / total:6.1%}")
+            print(f"{key:<{width}} {seconds:8.3f} {seconds / total:6.1%}")
         rest = total - sum(seconds for _, seconds in table.most_common(args.top))
         if rest > 0:
-            print(f"{'(the rest)':<40} {rest:8.3f} {rest / total:6.1%}")
+            print(f"{'(the rest)':<{width}} {rest:8.3f} {rest / total:6.1%}")
     return 0
 
 

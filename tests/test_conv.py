@@ -47,6 +47,25 @@ def test_conv2d_matches_tensorflow(kernel_size, stride, padding, height, width):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("kernel_size,stride,padding,height,width",
+                         [case for case in CASES if case[1] == 2 and not isinstance(case[2], str)])
+def test_bfloat16_strided_conv_with_explicit_padding_matches_tensorflow(kernel_size, stride, padding, height, width):
+    """Under --amp the strided convs' gradients are those of a 'VALID' conv of the padded input (conv_ops's
+    custom gradient): the same values as float32 TensorFlow on the same bfloat16 numbers, to bfloat16's rounding."""
+    rng = np.random.default_rng(kernel_size)
+    x = tf.cast(tf.constant(rng.normal(size=(2, height, width, 5)), tf.float32), tf.bfloat16)
+    w = tf.cast(tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32), tf.bfloat16)
+    upstream = tf.cast(rng.normal(size=tf.nn.conv2d(x, w, stride, padding).shape), tf.bfloat16)
+    as_float = lambda *tensors: [tf.cast(t, tf.float32) for t in tensors]  # noqa: E731
+    expected = _gradients(lambda x, w: tf.nn.conv2d(x, w, stride, padding), *as_float(x, w, upstream))
+    actual = _gradients(lambda x, w: conv_ops.conv2d(x, w, stride, padding), x, w, upstream)
+    for name, want, got in zip(("output", "input gradient", "kernel gradient"), expected, actual):
+        assert got.dtype == tf.bfloat16 and got.shape == want.shape, name
+        scale = np.abs(want.numpy()).max()
+        np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), want.numpy(), rtol=0, atol=0.02 * scale,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("onednn", [False, True])
 def test_kernel_gradient_in_a_compiled_function_with_unknown_batch_and_size(monkeypatch, onednn):
     """Shapes known only at run time (the model's tf.function with dynamic image batches), through the direct
