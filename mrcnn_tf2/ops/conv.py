@@ -271,13 +271,13 @@ def _cpu_conv(inputs, kernel, strides, padding, route):
             # oneDNN's bfloat16 gradient kernels take no explicit padding, and TensorFlow's fallback was 30 to
             # 60x slower (both gradients of a 1x1 stride-2 conv on [2, 208, 272, 256]: 1.5 s against 0.03 s);
             # float32 keeps the explicit kernels (padding first measured 2 to 3% slower on the ResNet-50 step).
-            pad_first = not isinstance(padding, str) and x.dtype != tf.float32
-            explicit = [] if isinstance(padding, str) or pad_first else [p for pair in padding for p in pair]
-            padded = tf.pad(x, padding) if pad_first else x
-            conv = dict(strides=[1, strides, strides, 1], out_backprop=out_grad, explicit_paddings=explicit,
-                        padding="VALID" if pad_first else "EXPLICIT" if explicit else padding)
+            padded, conv = x, dict(strides=[1, strides, strides, 1], out_backprop=out_grad, padding=padding)
+            if not isinstance(padding, str) and x.dtype != tf.float32:
+                padded, conv["padding"] = tf.pad(x, padding), "VALID"
+            elif not isinstance(padding, str):
+                conv.update(padding="EXPLICIT", explicit_paddings=[p for pair in padding for p in pair])
             input_grad = tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(padded), filter=w, **conv)
-            if pad_first:  # the padding's gradient dropped
+            if padded is not x:  # the padding's gradient dropped
                 input_grad = tf.slice(input_grad, [0, padding[1][0], padding[2][0], 0], tf.shape(x))
             return input_grad, tf.raw_ops.Conv2DBackpropFilter(input=padded, filter_sizes=tf.shape(w), **conv)
 

@@ -123,8 +123,8 @@ def unstable_top_k(model):
     import openvino.opset11 as opset
 
     for op in model.get_ordered_ops():
-        if op.get_type_name() == "TopK" and op.get_attributes().get("stable"):
-            attributes = op.get_attributes()
+        attributes = op.get_attributes()
+        if op.get_type_name() == "TopK" and attributes.get("stable"):
             fast = opset.topk(op.input_value(0), op.input_value(1), attributes["axis"], attributes["mode"],
                               attributes["sort"], attributes["index_element_type"], stable=False)
             fast.set_friendly_name(op.get_friendly_name())
