@@ -161,10 +161,12 @@ def export(config, model, export_dir, calibration=None):
         if "saved_model" in formats:
             write_saved_model(model, preprocessor, temporary)
         others = [fmt for fmt in formats if fmt != "saved_model"]
-        if others:
-            function = deploy.detect_function(model)
+        functions = {}  # one trace per RoIAlign route
         for fmt in others:
-            deploy.convert(fmt, function, os.path.join(temporary, deploy.ARTEFACTS[fmt][0]), calibration)
+            fused = deploy.fused_roi_align(fmt)
+            if fused not in functions:
+                functions[fused] = deploy.detect_function(model, fused)
+            deploy.convert(fmt, functions[fused], os.path.join(temporary, deploy.ARTEFACTS[fmt][0]), calibration)
         config.save(temporary)
         label_map = os.path.join(config.runtime.model_dir, LABEL_MAP_FILE)
         if os.path.isfile(label_map):
