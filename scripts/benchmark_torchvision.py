@@ -105,6 +105,7 @@ from PIL import Image
 from pycocotools import mask as coco_mask
 from torchvision.models.detection import MaskRCNN
 from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+from torch.utils.flop_counter import FlopCounterMode
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 a = json.loads(sys.argv[1])
@@ -166,9 +167,33 @@ for step in range(a["warmup"] + a["steps"]):
         first_losses = {name: value.item() for name, value in losses.items()}
     if step >= a["warmup"]:
         times.append(toc - tic)
+# The work of one update, after the timed ones: FLOPs (2 per multiply-add) of the convolutions and matrix products,
+# forward and backward, as torch counts them.
+counter = FlopCounterMode(display=False)
+with counter:
+    losses = model(images, targets)
+    optimizer.zero_grad()
+    sum(losses.values()).backward()
 print(json.dumps({"torchvision_train": a["setting"], "throughput_img_per_s": len(images) * len(times) / sum(times),
                   "precision": "float32", "padded_shape": padded, "instances": [len(t["labels"]) for t in targets],
-                  "trainable": trainable, "first_losses": first_losses}))
+                  "trainable": trainable, "first_losses": first_losses,
+                  "flops_per_image": counter.get_total_flops() / len(images)}))
+"""
+
+# --mode train, run in a fresh interpreter with main.py's oneDNN setting: argv = dtype name; prints the best
+# FLOP/s of a 4096 x 4096 matrix product over 5 tries, the rate the CPU's matrix kernels reach in TensorFlow.
+MATMUL_PEAK = """
+import sys, time
+import tensorflow as tf
+dtype, size = getattr(tf, sys.argv[1]), 4096
+a, b = (tf.cast(tf.random.stateless_normal([size, size], [seed, 0]), dtype) for seed in (1, 2))
+tf.linalg.matmul(a, b)
+best = float("inf")
+for _ in range(5):
+    tic = time.perf_counter()
+    float(tf.linalg.matmul(a, b)[0, 0])
+    best = min(best, time.perf_counter() - tic)
+print(2 * size ** 3 / best)
 """
 
 # --mode train, run in a fresh interpreter: argv = JSON of `main.py train`'s arguments. The Trainer those arguments
@@ -326,6 +351,17 @@ def package_train_command(setting, precision, records, converted, run_dir, steps
     return argv
 
 
+def matmul_peak(precision):
+    """FLOP/s of TensorFlow's matrix product at `precision` ("fp32" or "bf16") on this CPU, with main.py's oneDNN
+    setting (MATMUL_PEAK): the ceiling a step made of convolutions and matrix products can approach."""
+    env = dict(os.environ)
+    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[precision]
+    result = subprocess.run([sys.executable, "-c", MATMUL_PEAK, dtype], env=env, capture_output=True, text=True,
+                            check=True)
+    return float(result.stdout.split()[-1])
+
+
 def json_line(output, key):
     """The last line of `output` that is a JSON object starting with `key`, parsed; None if there is none."""
     lines = [line for line in output.splitlines() if line.startswith('{"' + key + '"')]
@@ -398,6 +434,13 @@ def print_train_table(rows):
               f"{row['torchvision_mean']:6.3f} {row['ratio']:7.2f} {row['package_peak_rss_gib']:8.2f} "
               f"{row['torchvision_peak_rss_gib']:6.2f}")
     print("(ours img/s and torchvision's per round; torchvision trains in float32 in every row)")
+    print("\nwork: torchvision's FLOPs per image of one update (forward and backward, 2 per multiply-add); its rate "
+          "at each side's img/s against the matrix product peak of the side's precision")
+    for row in rows:
+        print(f"{row['setting']:9s} {row['precision']:9s} {row['gflop_per_image']:6.0f} GFLOP/image: ours "
+              f"{row['package_mean'] * row['gflop_per_image']:5.0f} GFLOP/s = {row['package_share_of_peak']:4.0%} "
+              f"of {row['matmul_peak_gflops']:.0f}, torchvision {row['torchvision_mean'] * row['gflop_per_image']:5.0f}"
+              f" GFLOP/s = {row['torchvision_share_of_peak']:4.0%}")
     for row in rows:
         print(json.dumps(row))
 
@@ -418,6 +461,9 @@ def train_main(args):
     settings = list(dict.fromkeys(args.settings))
     max_size, canvas = train_sizes(args.min_size, args.image_size)
     results = {(setting, side): [] for setting in settings for side in [*precisions, "torchvision"]}
+    peaks = {precision: matmul_peak(precision) for precision in dict.fromkeys(["fp32", *precisions])}
+    print("matrix product peak (TensorFlow, 4096 x 4096, best of 5): "
+          + ", ".join(f"{precision} {peak / 1e9:.0f} GFLOP/s" for precision, peak in peaks.items()), flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         photos, records, state, converted = prepare(workdir, args.photos, MODELS["v1"][0])
         annotations = os.path.join(workdir, "annotations", "instances_train.json")
@@ -462,6 +508,7 @@ def train_main(args):
             ours = results[setting, precision]
             package_mean = sum(r["img_per_s"] for r in ours) / len(ours)
             torchvision_mean = sum(r["img_per_s"] for r in theirs) / len(theirs)
+            work = theirs[0]["flops_per_image"]
             rows.append(dict(
                 setting=setting, precision=precision, policy=ours[0]["precision"], batch_size=TRAIN_BATCH_SIZE,
                 min_size=args.min_size, canvas=list(canvas), torchvision_padded=theirs[0]["padded_shape"],
@@ -473,6 +520,9 @@ def train_main(args):
                 torchvision_peak_rss_gib=max(r["peak_rss_gib"] for r in theirs),
                 package_first_losses=ours[0]["first_losses"], torchvision_first_losses=theirs[0]["first_losses"],
                 package_trainable=probes[setting]["trainable"], torchvision_trainable=theirs[0]["trainable"],
+                gflop_per_image=work / 1e9, matmul_peak_gflops=peaks[precision] / 1e9,
+                package_share_of_peak=package_mean * work / peaks[precision],
+                torchvision_share_of_peak=torchvision_mean * work / peaks["fp32"],
                 steps=args.steps, warmup=args.warmup))
     print_train_table(rows)
 
