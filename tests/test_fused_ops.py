@@ -141,6 +141,19 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
     np.testing.assert_array_equal(dynamic(x, w).numpy(), got.numpy())
 
 
+@pytest.mark.onednn  # the reference gradient, and the matrix products between the transforms, are oneDNN's or not
+@pytest.mark.parametrize("shape, out_channels", [((1, 9, 13, 5), 7), ((2, 8, 8, 70), 3), ((3, 1, 1, 4), 4),
+                                                 ((2, 16, 12, 64), 64)])
+def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels):
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    out_grad = tf.constant(rng.normal(size=shape[:3] + (out_channels,)), tf.float32)
+    want = tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=[3, 3, shape[3], out_channels], out_backprop=out_grad,
+                                           strides=[1, 1, 1, 1], padding="SAME").numpy()
+    got = fused.conv2d_3x3_kernel_gradient(x, out_grad).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 @pytest.mark.onednn
 def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     """A batch whose transformed tiles exceed the part size goes in nearly equal parts; same result."""
@@ -153,11 +166,18 @@ def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     # Not bit for bit: oneDNN's matrix product between the transforms may block a part's smaller batch
     # differently (seen on an AVX2 CPU), which changes float32 rounding only.
     np.testing.assert_allclose(split(x, w).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    out_grad = tf.constant(rng.normal(size=(5, 8, 8, 2)), tf.float32)
+    monkeypatch.undo()
+    whole = fused.conv2d_3x3_kernel_gradient(x, out_grad).numpy()
+    monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 36 * 4 * 4 * 3 * 2)
+    split = tf.function(fused.conv2d_3x3_kernel_gradient).get_concrete_function(x, out_grad)
+    assert sum(op.type == "MrcnnWinogradInput" for op in split.graph.get_operations()) == 3
+    np.testing.assert_allclose(split(x, out_grad).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
 @pytest.mark.onednn
 def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
-    """conv_ops.conv2d by route WINOGRAD: Winograd for the forward and the input gradient; tf.nn.conv2d's values."""
+    """conv_ops.conv2d by route WINOGRAD: Winograd for the forward and both gradients; tf.nn.conv2d's values."""
     monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # the route at this small size too
     x = tf.constant(rng.normal(size=(2, 10, 7, 6)), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, 6, 5)), tf.float32)

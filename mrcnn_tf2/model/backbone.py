@@ -143,8 +143,8 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         """Batch norm of `x` [B, H, W, C] on the batch's statistics, which update the moving averages as the
         BatchNormalization sublayer would (its momentum, the biased variance), in TensorFlow's fused kernel: one
         pass for the statistics and one to normalise, and as few backward, where the sublayer's call takes several
-        (2-3x the time, forward and backward). The kernel computes in float32 whatever x's dtype (bfloat16 under
-        --amp), as the sublayer does; the result has x's dtype."""
+        (docs/PERFORMANCE.md#training-next-to-torchvision). The kernel computes in float32 whatever x's dtype
+        (bfloat16 under --amp), as the sublayer does; the result has x's dtype."""
         bn = self.bn
         x, mean, variance = tf.compat.v1.nn.fused_batch_norm(x, bn.gamma, bn.beta, epsilon=bn.epsilon,
                                                              is_training=True)

@@ -23,7 +23,7 @@ went from 42 to 36 ms.
 With the fused ops on (route WINOGRAD, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
 WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix products over the 4x4 output blocks do the
 work of the 144 of a direct conv, and the input gradient, the conv of the flipped kernel, goes the same
-way. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask head's convs over
+way; so does the kernel gradient (`fused_ops.conv2d_3x3_kernel_gradient`), in place of `kernel_gradient`. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask head's convs over
 100 RoIs 72 ms against 121 ms. Its rounding differs from a direct conv's by about 1e-5 of the output's
 scale.
 
@@ -249,8 +249,8 @@ def _block(inputs, kernel, strides, padding, bias, residual, relu, route):
 
 
 def _cpu_conv(inputs, kernel, strides, padding, route):
-    """The conv of the CPU routes (`_forward`) under their gradient: `kernel_gradient` at stride 1, the
-    input gradient by Winograd's route where the forward took it."""
+    """The conv of the CPU routes (`_forward`) under their gradient: `kernel_gradient` at stride 1, both
+    gradients by Winograd's route where the forward took it."""
     kernel_shape = tuple(kernel.shape)
 
     @tf.custom_gradient
@@ -258,9 +258,9 @@ def _cpu_conv(inputs, kernel, strides, padding, route):
         def grad(out_grad):
             if _winograd(x, w, strides, padding, route):
                 # The input gradient of a 3x3 'SAME' conv is the conv of the kernel flipped in space with
-                # its channels swapped: Winograd's route too.
+                # its channels swapped, and the kernel gradient has Winograd's form too.
                 input_grad = fused_ops.conv2d_3x3(out_grad, flipped(w))
-                return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)
+                return input_grad, fused_ops.conv2d_3x3_kernel_gradient(x, out_grad)
             if strides == 1:
                 input_grad = tf.nn.conv2d_transpose(out_grad, w, tf.shape(x), 1, padding)
                 return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)

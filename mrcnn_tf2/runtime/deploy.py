@@ -1,8 +1,8 @@
 """The model for runtimes other than TensorFlow: ONNX (onnxruntime), TFLite (LiteRT) and OpenVINO.
 
 Each artefact holds `MaskRCNN.detect` of one image, built for export (`factory.choose_ops(export=True)`: plain
-convolutions, the pure-TF stages, per-image NonMaxSuppressionV5), so it is the same graph whichever machine
-exports it, and the same detections as the SavedModel. Inputs:
+convolutions, the pure-TF stages, per-image NonMaxSuppressionV5; in the OpenVINO formats RoIAlign is OpenVINO's
+own op), so it is the same graph whichever machine exports it, and the same detections as the SavedModel. Inputs:
   images      float32 [1, H, W, 3]  the image resized, normalised and padded by `mrcnn_tf2.data.preprocess` (as
                                     `main.py infer` does): H x W is data.image_size, or with data.pad_to_multiple
                                     the image's own padded size. The graph takes any H and W: OpenVINO 2026.4's
@@ -56,8 +56,8 @@ def require_extra(fmt):
 
 def fused_roi_align(fmt):
     """Whether `fmt`'s graph holds RoIAlign as the fused op (when the ops library loads): the OpenVINO formats,
-    whose converter maps it to OpenVINO's own ROIAlign (`_openvino_roi_align`). The pure-TF RoIAlign's gather
-    and products took 29% of the 8-bit model's time."""
+    whose converter maps it to OpenVINO's own ROIAlign (`_openvino_roi_align`), where the pure-TF RoIAlign's
+    gather of every box's taps is bound by memory (docs/PERFORMANCE.md#runtimes)."""
     return ARTEFACTS[fmt][1] == "openvino" and fused_ops.use_fused("auto")
 
 
