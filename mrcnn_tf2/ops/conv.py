@@ -21,11 +21,12 @@ the transposed route leaves them as separate passes over memory); 64->256 + resi
 went from 42 to 36 ms.
 
 With the fused ops on (route WINOGRAD, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
-WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix products over the 4x4 output blocks do the
-work of the 144 of a direct conv, and the input gradient, the conv of the flipped kernel, goes the same
-way; so does the kernel gradient (`fused_ops.conv2d_3x3_kernel_gradient`), in place of `kernel_gradient`. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask head's convs over
-100 RoIs 72 ms against 121 ms. Its rounding differs from a direct conv's by about 1e-5 of the output's
-scale.
+WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix
+products over the 4x4 output blocks do the work of the 144 of a direct conv, and the input gradient, the conv
+of the flipped kernel, goes the same way; so does the kernel gradient
+(`fused_ops.conv2d_3x3_kernel_gradient`), in place of `kernel_gradient`. The P2 conv at batch 1 took 193 ms
+against 450 ms by the transposed route; the mask head's convs over 100 RoIs 72 ms against 121 ms. Its rounding
+differs from a direct conv's by about 1e-5 of the output's scale.
 
 All of the above answers a CPU's kernels. The fused ops have CPU kernels only: on a GPU they would run on
 the host, their tensors copied there and back. The oneDNN routes and the matrix-product gradient were
