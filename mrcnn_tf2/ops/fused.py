@@ -226,11 +226,6 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 _WINOGRAD_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
                         [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])
 _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
-# The output transform's A^T (4 x 6), as ops/winograd_op.cc applies it: Y = A^T M A for each 4x4 block, so the
-# gradient of M is A dY A^T, one matrix product with kron(A^T, A^T)^T (36 x 16): dM[6a + b] = sum over the block's
-# pixels (i, j) of A^T[i, a] A^T[j, b] dY[4i + j].
-_WINOGRAD_AT = np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]])
-_WINOGRAD_OUTPUT_ADJOINT = np.kron(_WINOGRAD_AT, _WINOGRAD_AT).T.astype(np.float32)
 # The most bytes of transformed tiles (or of their products) computed at once.
 _WINOGRAD_PART_BYTES = 256 * 2**20
 
@@ -271,9 +266,9 @@ def conv2d_3x3(inputs, kernel):
 def conv2d_3x3_kernel_gradient(inputs, out_grad):
     """Gradient with respect to the kernel of conv2d_3x3 (or tf.nn.conv2d at stride 1, 'SAME'), by Winograd's
     F(4x4, 3x3) too: the 36 products [C_in, T] x [T, C_out] of the input's tiles and the output gradient's
-    (dM = A dY A^T per 4x4 block) do the work of the 144 of a direct kernel gradient, and U = G g G^T
-    transposed (dg = G^T dU G) brings their sum back to the 3x3 taps. Float rounding differs from TensorFlow's
-    kernel gradient by about 1e-5 of the gradient's scale.
+    (dM = A dY A^T per 4x4 block, ops/winograd_op.cc) do the work of the 144 of a direct kernel gradient, and
+    U = G g G^T transposed (dg = G^T dU G) brings their sum back to the 3x3 taps. Float rounding differs from
+    TensorFlow's kernel gradient by about 1e-5 of the gradient's scale.
 
     Args:
       inputs: [B, H, W, C_in] float32, the conv's input.
@@ -286,14 +281,8 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad):
     in_channels, out_channels = inputs.shape[3], out_grad.shape[3]
 
     def products(images, grads):  # [36, C_in, C_out]
-        batch, height, width = tf.unstack(tf.shape(grads)[:3])
-        rows, cols = -(-height // 4), -(-width // 4)
-        blocks = tf.pad(grads, [[0, 0], [0, 4 * rows - height], [0, 4 * cols - width], [0, 0]])
-        # [16, T * C_out]: pixel (i, j) of every block, blocks in the tiles' order (b, tile row, tile column).
-        blocks = tf.reshape(tf.transpose(tf.reshape(blocks, [batch, rows, 4, cols, 4, out_channels]),
-                                         [2, 4, 0, 1, 3, 5]), [16, -1])
-        grad_tiles = tf.reshape(tf.matmul(_WINOGRAD_OUTPUT_ADJOINT, blocks), [36, -1, out_channels])
-        return tf.matmul(library.mrcnn_winograd_input(images), grad_tiles, transpose_a=True)
+        return tf.matmul(library.mrcnn_winograd_input(images), library.mrcnn_winograd_output_adjoint(grads),
+                         transpose_a=True)
 
     parts = _winograd_parts(inputs.shape[:3], max(in_channels, out_channels))
     if parts > 1:
