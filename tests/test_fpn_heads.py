@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from mrcnn_tf2.model.backbone import ResNet
-from mrcnn_tf2.model.fpn import FPN
+from mrcnn_tf2.model.fpn import FPN, upsample2x
 from mrcnn_tf2.model.heads import BoxHead, MaskHead, RPNHead
 
 BATCH, NUM_ROIS, NUM_CLASSES, NUM_ANCHORS = 2, 3, 5, 3
@@ -39,6 +39,24 @@ def test_fpn_matches_top_down_reference_and_subsamples_p6(rng):
     np.testing.assert_array_equal(got[6], got[5][:, ::2, ::2])
     np.testing.assert_array_equal(got[6], tf.nn.max_pool2d(got[5], 1, 2, "VALID").numpy())  # NVIDIA's form
     np.testing.assert_array_equal(got[7], got[6][:, ::2, ::2])
+
+
+@pytest.mark.onednn  # the gradient is a pooling kernel, oneDNN's or TensorFlow's
+@pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
+def test_upsample2x_values_and_gradient(rng, dtype):
+    """The 2x copy, and as its gradient each pixel's sum over its 2x2 copies (the broadcast's own gradient)."""
+    x = tf.cast(rng.normal(size=(2, 3, 5, 4)), dtype)
+    out_grad = tf.cast(rng.normal(size=(2, 6, 10, 4)), dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = upsample2x(x)
+    got = tape.gradient(y, x, output_gradients=out_grad)
+    np.testing.assert_array_equal(y.numpy(), np_upsample2x(x.numpy()))
+    blocks = tf.cast(out_grad, tf.float32).numpy().reshape(2, 3, 2, 5, 2, 4)
+    want = blocks[:, :, 0, :, 0] + blocks[:, :, 0, :, 1] + blocks[:, :, 1, :, 0] + blocks[:, :, 1, :, 1]
+    assert got.dtype == dtype and got.shape == x.shape
+    tolerance = 1e-6 if dtype == tf.float32 else 2e-2  # bfloat16: 8 bits of mantissa, summed in any order
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), want, rtol=tolerance, atol=tolerance)
 
 
 def test_fpn_levels_and_bad_arguments(rng):

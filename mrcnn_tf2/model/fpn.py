@@ -29,6 +29,7 @@ def xavier_fill():
     return keras.initializers.VarianceScaling(scale=1.0, mode="fan_in", distribution="uniform")
 
 
+@tf.custom_gradient
 def upsample2x(x):
     """Nearest-neighbour 2x upsampling, [B, H, W, C] -> [B, 2H, 2W, C], one broadcast copy."""
     shape = tf.shape(x)
@@ -37,7 +38,14 @@ def upsample2x(x):
     x = tf.broadcast_to(tf.reshape(x, [batch, height, 1, width, 1, channels]), [batch, height, 2, width, 2, channels])
     static = x.shape
     out = tf.reshape(x, [batch, 2 * height, 2 * width, channels])
-    return tf.ensure_shape(out, [static[0], _times2(static[1]), _times2(static[3]), static[5]])
+
+    def grad(out_grad):
+        # Each input pixel's gradient is the sum of its 2x2 copies': the pooling's average times 4 (exact: a
+        # power of two). The broadcast's own gradient, a Sum over the copy axes between H and W, took 71 ms for
+        # P2's at 832x1088 batch 2, this 6 ms.
+        return tf.nn.avg_pool2d(out_grad, 2, 2, "VALID") * 4
+
+    return tf.ensure_shape(out, [static[0], _times2(static[1]), _times2(static[3]), static[5]]), grad
 
 
 def _times2(dim):
