@@ -169,9 +169,13 @@ def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     out_grad = tf.constant(rng.normal(size=(5, 8, 8, 2)), tf.float32)
     monkeypatch.undo()
     whole = fused.conv2d_3x3_kernel_gradient(x, out_grad).numpy()
-    monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 36 * 4 * 4 * 3 * 2)
+    monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 4 * 36 * 4 * 4 * 3 * 2)  # the kernel gradient's quarter
     split = tf.function(fused.conv2d_3x3_kernel_gradient).get_concrete_function(x, out_grad)
-    assert sum(op.type == "MrcnnWinogradInput" for op in split.graph.get_operations()) == 3
+    transforms = [op for op in split.graph.get_operations() if op.type == "MrcnnWinogradInput"]
+    assert len(transforms) == 3
+    # Each input transform waits for its part of the output gradient (not held from the forward pass on).
+    adjoints = [op for op in split.graph.get_operations() if op.type == "MrcnnWinogradOutputAdjoint"]
+    assert [op.control_inputs for op in transforms] == [[adjoint.inputs[0].op] for adjoint in adjoints]
     np.testing.assert_allclose(split(x, out_grad).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
