@@ -122,7 +122,7 @@ _FLAGS = {
     "backbone": ("model.backbone", dict(choices=BACKBONES, help="ResNet depth of the backbone")),
     "image_size": (
         "data.image_size",
-        dict(type=int, nargs=2, metavar=("H", "W"), help="padded input size; multiples of 2**max_level"),
+        dict(type=int, nargs=2, metavar=("H", "W"), help="padded input size; multiples of 32 (the backbone's stride)"),
     ),
     "num_classes": ("model.num_classes", dict(type=int, help="object classes plus background")),
     "accumulate_steps": (

@@ -450,12 +450,14 @@ class Config:
 
     def validate(self) -> None:
         """Raises ConfigError naming the first inconsistent setting."""
-        stride = 2 ** self.model.anchors.max_level
+        # The backbone's levels must halve exactly up to C5 (the FPN adds each to the next one upsampled 2x);
+        # the levels above subsample with rounding up, and their anchors follow (anchors.level_strides).
+        stride = 2 ** min(self.model.anchors.max_level, 5)
         height, width = self.data.image_size
         if height % stride or width % stride:
             raise ConfigError(
                 "--image_size",
-                f"{height} {width} is not a multiple of 2**max_level = {stride} in both sides",
+                f"{height} {width} is not a multiple of {stride} (the backbone's stride) in both sides",
             )
         values, boundaries = self.train.learning_rate_values, self.train.learning_rate_boundaries
         if len(values) != len(boundaries):

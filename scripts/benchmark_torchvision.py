@@ -6,7 +6,7 @@ torchvision's own, one run.
     .venv/bin/python scripts/benchmark_torchvision.py --mixed              # photos of 8 shapes, preset batch
     .venv/bin/python scripts/benchmark_torchvision.py --mode train         # scratch and finetune, fp32 and bf16
     .venv/bin/python scripts/benchmark_torchvision.py --mode train --settings finetune --precisions fp32 \\
-        --image_size 832 1088                                              # ours on the scenes' own canvas
+        --image_size 800 1088                                              # ours on the scenes' own canvas
 
 Both sides run the same weights (a seeded torchvision maskrcnn_resnet50_fpn, or maskrcnn_resnet50_fpn_v2 with
 --model v2, converted by
@@ -41,8 +41,8 @@ bfloat16, slower than float32. Each round runs, per setting, ours at each precis
 reverse order every other round, each in a fresh process; the table gives img/s per round and their mean, ours
 over torchvision, and each side's peak resident memory (wait4's ru_maxrss, the largest over the rounds).
 torchvision pads each batch to its own images (800x1088 for these scenes) while ours trains on the preset's
-canvas, 1344x1344, which holds an image of either orientation: --image_size 832 1088 gives ours the smallest
-canvas that holds these landscape scenes. --min_size shrinks the scenes on both sides (a quick run).
+canvas, 1344x1344, which holds an image of either orientation: --image_size 800 1088 gives ours the same
+canvas, the same work. --min_size shrinks the scenes on both sides (a quick run).
 """
 
 import argparse

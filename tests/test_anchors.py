@@ -94,11 +94,26 @@ def test_generate_anchors_matches_loop_reference(anchors):
     assert anchor_ops.num_anchors_per_location(NUM_SCALES, ASPECT_RATIOS) == NUM_PER_LOCATION
 
 
-def test_generate_anchors_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="divisible"):
-        anchor_ops.generate_anchors(2, 6, 1, ASPECT_RATIOS, 8.0, (100, 128))
+def test_generate_anchors_rejects_bad_levels():
     with pytest.raises(ValueError, match="max_level"):
         anchor_ops.generate_anchors(4, 3, 1, ASPECT_RATIOS, 8.0, IMAGE_SIZE)
+
+
+def test_generate_anchors_of_a_size_that_coarse_levels_round_up():
+    """800x1088, a multiple of 32 but not of 64: P6's grid rounds up to 13x17, as a stride-2 subsampling of P5's
+    25x34 gives, and its anchors step by torchvision's 800 // 13 = 61 pixels down (1088 // 17 = 64 across)."""
+    anchors = anchor_ops.generate_anchors(2, 6, 1, ASPECT_RATIOS, 8.0, (800, 1088), offset=0.0)
+    assert [anchor_ops.feature_size((800, 1088), level) for level in (2, 5, 6)] == [(200, 272), (25, 34), (13, 17)]
+    centres = anchors[6].reshape(13, 17, len(ASPECT_RATIOS), 4)[..., :2] + anchors[6].reshape(
+        13, 17, len(ASPECT_RATIOS), 4)[..., 2:]
+    np.testing.assert_allclose(centres[:, 0, 0, 0] / 2, 61 * np.arange(13), atol=1e-4)
+    np.testing.assert_allclose(centres[0, :, 0, 1] / 2, 64 * np.arange(17), atol=1e-4)
+    np.testing.assert_array_equal(anchors[5], anchor_ops.generate_anchors(5, 5, 1, ASPECT_RATIOS, 8.0, (800, 1088),
+                                                                          offset=0.0)[5])
+    # The labels' grid check takes these anchors (the input pipeline labels them for training).
+    gt = tf.constant([[100.0, 100.0, 300.0, 400.0]])
+    targets = anchor_ops.rpn_targets(anchors, gt, (800, 1088), seed=tf.constant([1, 2]))
+    assert targets["rpn_score_targets"][6].shape == (13, 17, len(ASPECT_RATIOS))
 
 
 def test_grid_iou_equals_pairwise_iou(anchors, rng):

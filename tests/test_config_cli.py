@@ -254,7 +254,7 @@ def main_status(argv, capsys):
 @pytest.mark.parametrize(
     "argv, names",
     [
-        (["--image_size", "800", "1344"], ["--image_size", "800 1344", "multiple of 2**max_level = 64"]),
+        (["--image_size", "800", "1340"], ["--image_size", "800 1340", "multiple of 32 (the backbone's stride)"]),
         (["--image_size", "832", "1000"], ["--image_size", "1000"]),
         (["--learning_rate_values", "0.1", "0.01"], ["--learning_rate_values", "2 values", "3"]),
         (["--learning_rate_boundaries", "1", "3", "2"], ["--learning_rate_boundaries", "increasing"]),

@@ -8,7 +8,6 @@ the factory decides (`factory.choose_ops`).
 Glossary: B batch, P proposals, S sampled RoIs, F foreground RoI slots, D detections, K classes.
 """
 
-import tensorflow as tf
 
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import fused as fused_ops
@@ -18,9 +17,10 @@ from mrcnn_tf2.ops import masks, postprocess, roi_align, roi_ops, sampling
 class AnchorGenerator:
     """The anchors of a padded input: each level's base anchors over its feature grid (`grid_anchors`).
 
-    The stride of a level is the padded input's size // the level's grid size, as torchvision computes it:
-    2**level when the size is divisible by it; otherwise the coarse levels' grids round up (a stride-2 conv
-    or pool of an odd size) and their stride comes out below 2**level (800 px over a 13-cell P6: 61).
+    The stride of a level is the padded input's size // the level's grid size, as torchvision computes it
+    (`anchors.level_strides`): 2**level when the size is divisible by it; otherwise the coarse levels' grids
+    round up (a stride-2 conv or pool of an odd size) and their stride comes out below 2**level (800 px over a
+    13-cell P6: 61).
     """
 
     def __init__(self, min_level, max_level, num_scales, aspect_ratios, anchor_scale, offset, round_corners):
@@ -41,15 +41,8 @@ class AnchorGenerator:
         Python ints give constant anchors; int32 [2] tensors (dynamic sizes) give them computed in the graph.
         """
         return {level: anchor_ops.grid_anchors(self.base[level], grids[level],
-                                               _floordiv(image_hw, grids[level]), self.offset)
+                                               anchor_ops.level_strides(image_hw, grids[level]), self.offset)
                 for level in self.base}
-
-
-def _floordiv(numerator, denominator):
-    """Element-wise // of two pairs, each (int, int) or an int32 [2] tensor."""
-    if isinstance(numerator, tuple) and isinstance(denominator, tuple):
-        return tuple(n // d for n, d in zip(numerator, denominator))
-    return tf.math.floordiv(tf.cast(numerator, tf.int32), tf.cast(denominator, tf.int32))
 
 
 class ProposalGenerator:

@@ -4,8 +4,8 @@ Box format: ``[ymin, xmin, ymax, xmax]`` float32, in pixels of the resized, padd
 continuous coordinates (width = xmax - xmin). Ground truth is padded with all -1 boxes
 (``box_ops.PADDING_BOX_VALUE``).
 
-Anchor layout, shared with the RPN head: on level l (stride 2**l) the anchors form a
-``[H_l, W_l, A]`` grid, flattened row-major over (y, x, anchor) to ``[H_l*W_l*A, 4]``; anchor index
+Anchor layout, shared with the RPN head: on level l (stride 2**l, or torchvision's size // grid where a
+coarse level's grid rounds up: ``level_strides``) the anchors form a ``[H_l, W_l, A]`` grid, flattened row-major over (y, x, anchor) to ``[H_l*W_l*A, 4]``; anchor index
 ``a = s * len(aspect_ratios) + r`` for octave scale s and aspect ratio r. So the head's score map
 ``[B, H_l, W_l, A] -> [B, H_l*W_l*A]`` and box map ``[B, H_l, W_l, 4A] -> [B, H_l*W_l*A, 4]`` (channels
 ``4a:4a+4`` = (dy, dx, dh, dw) of anchor a) line up with the anchors element by element.
@@ -35,8 +35,15 @@ def num_anchors_per_location(num_scales, aspect_ratios):
 
 
 def feature_size(image_size, level):
-    """(H_l, W_l) of level ``level`` for an input of ``image_size`` (h, w) pixels."""
-    return image_size[0] // 2 ** level, image_size[1] // 2 ** level
+    """(H_l, W_l) of level ``level`` for an input of ``image_size`` (h, w) pixels: rounded up, as stride-2
+    convs and subsamplings of an odd size give (an 800-pixel side: P5 25, P6 13)."""
+    return -(-image_size[0] // 2 ** level), -(-image_size[1] // 2 ** level)
+
+
+def level_strides(image_size, grid):
+    """(stride_y, stride_x) of a level's anchors: the input's size // the level's grid, as torchvision's
+    AnchorGenerator computes it (2**level when the size is a multiple of it; 800 pixels over 13 cells: 61)."""
+    return image_size[0] // grid[0], image_size[1] // grid[1]
 
 
 def base_anchors(level, num_scales, aspect_ratios, anchor_scale, round_corners=False):
@@ -82,15 +89,15 @@ def generate_anchors(min_level, max_level, num_scales, aspect_ratios, anchor_sca
                      round_corners=False):
     """Anchor boxes of every FPN level for a fixed input size (``base_anchors`` over ``grid_anchors``).
 
-    On level l the stride is 2**l and the grid ``feature_size(image_size, l)``. Anchors crossing the image
-    border are kept (NVIDIA's labeler allows any border).
+    On level l the grid is ``feature_size(image_size, l)`` and the stride ``level_strides`` (2**l where the
+    size is a multiple of it). Anchors crossing the image border are kept (NVIDIA's labeler allows any border).
 
     Args:
       min_level, max_level: int, first and last FPN level (inclusive).
       num_scales: int, octave scales per level.
       aspect_ratios: sequence of (x, y) multipliers, e.g. ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4)).
       anchor_scale: float, base anchor size in units of the level's stride.
-      image_size: (height, width) of the padded input in pixels; both divisible by 2**max_level.
+      image_size: (height, width) of the padded input in pixels.
       offset: float, anchors are centred at (i + offset) * stride (0.5: cell centres; torchvision: 0).
       round_corners: round the base anchors' corners to whole pixels (torchvision).
 
@@ -99,17 +106,15 @@ def generate_anchors(min_level, max_level, num_scales, aspect_ratios, anchor_sca
       row-major over (y, x, anchor) as described in the module docstring.
 
     Raises:
-      ValueError: the image size is not divisible by the coarsest stride, or the levels are empty.
+      ValueError: the levels are empty.
     """
-    height, width = int(image_size[0]), int(image_size[1])
+    size = int(image_size[0]), int(image_size[1])
     if max_level < min_level:
         raise ValueError(f"max_level ({max_level}) must be >= min_level ({min_level}).")
-    if height % 2 ** max_level or width % 2 ** max_level:
-        raise ValueError(
-            f"image_size {tuple(image_size)} must be divisible by the largest stride 2**{max_level}.")
+    grids = {level: feature_size(size, level) for level in range(min_level, max_level + 1)}
     return {level: grid_anchors(base_anchors(level, num_scales, aspect_ratios, anchor_scale, round_corners),
-                                feature_size((height, width), level), (2 ** level, 2 ** level), offset).numpy()
-            for level in range(min_level, max_level + 1)}
+                                grid, level_strides(size, grid), offset).numpy()
+            for level, grid in grids.items()}
 
 
 def _sample(candidates, keys, max_count, limit=None):
@@ -153,10 +158,11 @@ def _check_anchor_grid(boxes, level, grid, image_size):
         last = values[-1]
         centre = np.array(((last[0] + last[2]) / 2, (last[1] + last[3]) / 2))
         # The last anchor sits in the last grid cell, wherever in it the anchor offset puts it.
-        low = (np.array(grid) - 1) * 2 ** level
-        if np.any(centre < low - 1e-3) or np.any(centre >= low + 2 ** level):
+        stride = np.array(level_strides(image_size, grid))
+        low = (np.array(grid) - 1) * stride
+        if np.any(centre < low - 1e-3) or np.any(centre >= low + stride):
             raise ValueError(f"{message}: last anchor centred at {tuple(centre)}, outside the last cell "
-                             f"[{low[0]}, {low[0] + 2 ** level}) x [{low[1]}, {low[1] + 2 ** level}).")
+                             f"[{low[0]}, {low[0] + stride[0]}) x [{low[1]}, {low[1] + stride[1]}).")
 
 
 def _grid_iou(level_anchors, feat_h, feat_w, gt_boxes):
