@@ -5,8 +5,9 @@ continuous coordinates (width = xmax - xmin). Ground truth is padded with all -1
 (``box_ops.PADDING_BOX_VALUE``).
 
 Anchor layout, shared with the RPN head: on level l (stride 2**l, or torchvision's size // grid where a
-coarse level's grid rounds up: ``level_strides``) the anchors form a ``[H_l, W_l, A]`` grid, flattened row-major over (y, x, anchor) to ``[H_l*W_l*A, 4]``; anchor index
-``a = s * len(aspect_ratios) + r`` for octave scale s and aspect ratio r. So the head's score map
+coarse level's grid rounds up: ``level_strides``) the anchors form a ``[H_l, W_l, A]`` grid, flattened
+row-major over (y, x, anchor) to ``[H_l*W_l*A, 4]``; anchor index ``a = s * len(aspect_ratios) + r`` for
+octave scale s and aspect ratio r. So the head's score map
 ``[B, H_l, W_l, A] -> [B, H_l*W_l*A]`` and box map ``[B, H_l, W_l, 4A] -> [B, H_l*W_l*A, 4]`` (channels
 ``4a:4a+4`` = (dy, dx, dh, dw) of anchor a) line up with the anchors element by element.
 
