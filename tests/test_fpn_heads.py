@@ -41,15 +41,16 @@ def test_fpn_matches_top_down_reference_and_subsamples_p6(rng):
     np.testing.assert_array_equal(got[7], got[6][:, ::2, ::2])
 
 
-@pytest.mark.onednn  # the gradient is a pooling kernel, oneDNN's or TensorFlow's
+@pytest.mark.onednn  # the pooled gradient is a pooling kernel, oneDNN's or TensorFlow's
+@pytest.mark.parametrize("pooled_gradient", [True, False])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
-def test_upsample2x_values_and_gradient(rng, dtype):
+def test_upsample2x_values_and_gradient(rng, dtype, pooled_gradient):
     """The 2x copy, and as its gradient each pixel's sum over its 2x2 copies (the broadcast's own gradient)."""
     x = tf.cast(rng.normal(size=(2, 3, 5, 4)), dtype)
     out_grad = tf.cast(rng.normal(size=(2, 6, 10, 4)), dtype)
     with tf.GradientTape() as tape:
         tape.watch(x)
-        y = upsample2x(x)
+        y = upsample2x(x, pooled_gradient)
     got = tape.gradient(y, x, output_gradients=out_grad)
     np.testing.assert_array_equal(y.numpy(), np_upsample2x(x.numpy()))
     blocks = tf.cast(out_grad, tf.float32).numpy().reshape(2, 3, 2, 5, 2, 4)

@@ -29,23 +29,34 @@ def xavier_fill():
     return keras.initializers.VarianceScaling(scale=1.0, mode="fan_in", distribution="uniform")
 
 
-@tf.custom_gradient
-def upsample2x(x):
-    """Nearest-neighbour 2x upsampling, [B, H, W, C] -> [B, 2H, 2W, C], one broadcast copy."""
+def upsample2x(x, pooled_gradient=False):
+    """Nearest-neighbour 2x upsampling, [B, H, W, C] -> [B, 2H, 2W, C], one broadcast copy.
+
+    pooled_gradient: the gradient as a 2x2 pooling (each input pixel's gradient is the sum of its 2x2 copies':
+    their average times 4, exact, a power of two) in place of the broadcast's own, a Sum over the copy axes
+    between H and W that TensorFlow's CPU kernels reduce slowly (P2's at 832x1088 batch 2: 71 ms, pooled 6 ms).
+    """
+    if not pooled_gradient:
+        return _broadcast2x(x)
+
+    @tf.custom_gradient
+    def upsample(x):
+        def grad(out_grad):
+            return tf.nn.avg_pool2d(out_grad, 2, 2, "VALID") * 4
+
+        return _broadcast2x(x), grad
+
+    return upsample(x)
+
+
+def _broadcast2x(x):
     shape = tf.shape(x)
     batch, height, width, channels = shape[0], shape[1], shape[2], shape[3]
     # A reshape, not x[:, :, None, :, None, :]: TFLite's builtin StridedSlice takes no new axis.
     x = tf.broadcast_to(tf.reshape(x, [batch, height, 1, width, 1, channels]), [batch, height, 2, width, 2, channels])
     static = x.shape
     out = tf.reshape(x, [batch, 2 * height, 2 * width, channels])
-
-    def grad(out_grad):
-        # Each input pixel's gradient is the sum of its 2x2 copies': the pooling's average times 4 (exact: a
-        # power of two). The broadcast's own gradient, a Sum over the copy axes between H and W, took 71 ms for
-        # P2's at 832x1088 batch 2, this 6 ms.
-        return tf.nn.avg_pool2d(out_grad, 2, 2, "VALID") * 4
-
-    return tf.ensure_shape(out, [static[0], _times2(static[1]), _times2(static[3]), static[5]]), grad
+    return tf.ensure_shape(out, [static[0], _times2(static[1]), _times2(static[3]), static[5]])
 
 
 def _times2(dim):
@@ -60,7 +71,8 @@ class FPN(TracksSublayers, keras.layers.Layer):
       min_level: finest output level, in [2, 5].
       max_level: coarsest output level, >= 5; levels above 5 are stride-2 subsamplings.
       num_filters: width of every output map.
-      conv_route: conv_ops.conv2d's route for every conv (conv_ops.ROUTES; the factory picks it per device).
+      conv_route: conv_ops.conv2d's route for every conv (conv_ops.ROUTES; the factory picks it per device);
+        the CPU routes also take `upsample2x`'s pooled gradient.
       batch_norm: batch norm after every conv, which then has no bias (layers `backbone.ConvBN`).
 
     call(features, training=None):
@@ -99,8 +111,9 @@ class FPN(TracksSublayers, keras.layers.Layer):
         top_down = None
         outputs = {}
         for level in range(BACKBONE_MAX_LEVEL, self.min_level - 1, -1):
-            top_down = self.lateral[level](features[level], None if top_down is None else upsample2x(top_down),
-                                           training=training)
+            # The CPU routes' pooled gradient; PLAIN keeps TensorFlow's own (a GPU's, an exported model's).
+            upsampled = None if top_down is None else upsample2x(top_down, self.conv_route != conv_ops.PLAIN)
+            top_down = self.lateral[level](features[level], upsampled, training=training)
             outputs[level] = self.output_convs[level](top_down, training=training)
         for level in range(BACKBONE_MAX_LEVEL + 1, self.max_level + 1):
             # Every other pixel, as a 1x1 max pool of stride 2 (torchvision's LastLevelMaxPool): OpenVINO
