@@ -8,7 +8,6 @@ the factory decides (`factory.choose_ops`).
 Glossary: B batch, P proposals, S sampled RoIs, F foreground RoI slots, D detections, K classes.
 """
 
-
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import fused as fused_ops
 from mrcnn_tf2.ops import masks, postprocess, roi_align, roi_ops, sampling
