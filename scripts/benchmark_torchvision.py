@@ -4,6 +4,7 @@ torchvision's own, one run.
     .venv/bin/python scripts/benchmark_torchvision.py                 # v1, 3 alternated rounds, batch 1
     .venv/bin/python scripts/benchmark_torchvision.py --model v2 --rounds 5 --steps 20
     .venv/bin/python scripts/benchmark_torchvision.py --mixed              # photos of 8 shapes, preset batch
+    .venv/bin/python scripts/benchmark_torchvision.py --precisions fp32 bf16  # and ours under --amp (bfloat16)
     .venv/bin/python scripts/benchmark_torchvision.py --mode train         # scratch and finetune, fp32 and bf16
     .venv/bin/python scripts/benchmark_torchvision.py --mode train --settings finetune --precisions fp32 \\
         --image_size 800 1088                                              # ours on the scenes' own canvas
@@ -35,11 +36,12 @@ applies (small: random weights diverge at the usual one, and the rate costs noth
             nothing frozen; torchvision with BatchNorm2d and all 5 layers trainable (the seeded weights).
 The trainable tensors and parameters of both models (ours: those the Trainer's update applies gradients to) are
 printed per part for each setting: they must agree.
-Precisions (--precisions): fp32 on both sides; bf16 is ours with --amp in bfloat16 against torchvision's float32
-step, measured only on a CPU with bfloat16 instructions (avx512_bf16 or amx_bf16): elsewhere TensorFlow emulates
-bfloat16, slower than float32. Each round runs, per setting, ours at each precision and torchvision, in the
-reverse order every other round, each in a fresh process; the table gives img/s per round and their mean, ours
-over torchvision, and each side's peak resident memory (wait4's ru_maxrss, the largest over the rounds).
+Precisions (--precisions): fp32 on both sides; bf16 is ours with --amp in bfloat16 against torchvision's float32,
+a side of its own (inference: `--precisions fp32 bf16`; training measures both by default), measured only on a
+CPU with bfloat16 instructions (avx512_bf16 or amx_bf16): elsewhere TensorFlow emulates bfloat16, slower than
+float32. Each training round runs, per setting, ours at each precision and torchvision, in the reverse order
+every other round, each in a fresh process; the table gives img/s per round and their mean, ours over
+torchvision, and each side's peak resident memory (wait4's ru_maxrss, the largest over the rounds).
 torchvision pads each batch to its own images (800x1088 for these scenes) while ours trains on the preset's
 canvas, 1344x1344, which holds an image of either orientation: --image_size 800 1088 gives ours the same
 canvas, the same work. --min_size shrinks the scenes on both sides (a quick run).
@@ -247,6 +249,8 @@ PARTS = ("stem", "stage1", "stage2", "stage3", "stage4", "fpn", "rpn", "box head
 SHOWN_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 # mrcnn_tf2.runtime.precision.BFLOAT16_CPU_FLAGS (that module imports Keras): --amp's bfloat16 runs in hardware.
 BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+# Ours' flags for bf16: --amp in bfloat16 whatever the CPU would pick.
+AMP_BF16 = ("--amp", "--amp_dtype", "bfloat16")
 # --steps and --warmup of each mode when not given.
 DEFAULT_STEPS = {"infer": (10, 3), "train": (5, 2)}
 
@@ -319,6 +323,16 @@ def bfloat16_unmeasured(flags):
             "/proc/cpuinfo), so TensorFlow would emulate bfloat16, slower than float32")
 
 
+def measured_precisions(precisions, flags=None):
+    """`precisions` without repeats, and without bf16 (saying why) on a CPU without bfloat16 instructions."""
+    precisions = list(dict.fromkeys(precisions))
+    reason = bfloat16_unmeasured(cpu_flags() if flags is None else flags) if "bf16" in precisions else None
+    if reason:
+        print(reason)
+        precisions.remove("bf16")
+    return precisions
+
+
 def train_sizes(min_size, image_size=None):
     """(longer-side cap, ours' training canvas (H, W)) at shorter side `min_size`: the cap in the preset's
     proportion (1333 at 800), and the canvas `image_size`, else the preset's rule, a square that holds either
@@ -340,7 +354,7 @@ def package_train_command(setting, precision, records, converted, run_dir, steps
     if setting == "finetune":
         argv += ["--init_checkpoint", converted]
     if precision == "bf16":
-        argv += ["--amp", "--amp_dtype", "bfloat16"]
+        argv += AMP_BF16
     values = presets.values("torchvision")
     max_size, canvas = train_sizes(min_size, image_size)
     if min_size != values["data.resize_min_size"]:
@@ -450,11 +464,7 @@ def train_main(args):
     flags = cpu_flags()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; "
           + ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in SHOWN_CPU_FLAGS), flush=True)
-    precisions = list(dict.fromkeys(args.precisions))
-    reason = bfloat16_unmeasured(flags) if "bf16" in precisions else None
-    if reason:
-        print(reason)
-        precisions.remove("bf16")
+    precisions = measured_precisions(args.precisions, flags)
     if not precisions:
         return
     env = torchvision_environment()
@@ -543,59 +553,77 @@ def parse_args(argv=None):
     parser.add_argument("--settings", nargs="+", choices=TRAIN_SETTINGS,
                         help=f"train: from scratch and/or fine-tuning (default: {' '.join(TRAIN_SETTINGS)})")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS,
-                        help=f"train: ours' precisions (default: {' '.join(PRECISIONS)}; bf16 only on a CPU with "
-                             "bfloat16 instructions); torchvision's is float32")
+                        help=f"ours' precisions (infer default: fp32; train default: {' '.join(PRECISIONS)}); bf16 "
+                             "(--amp) only on a CPU with bfloat16 instructions; torchvision's is float32")
     parser.add_argument("--min_size", type=int,
                         help="train: shorter side of the resized scenes on both sides (default: the preset's 800); "
                              "the longer side's cap follows (1333 at 800)")
     parser.add_argument("--image_size", type=int, nargs=2, metavar=("H", "W"),
-                        help="train: ours' training canvas, multiples of 64 (default: the preset's, a square that "
+                        help="train: ours' training canvas, multiples of 32 (default: the preset's, a square that "
                              "holds either orientation: 1344 1344 at 800)")
     args = parser.parse_args(argv)
-    train_only = [f"--{name}" for name in ("settings", "precisions", "min_size", "image_size")
+    train_only = [f"--{name}" for name in ("settings", "min_size", "image_size")
                   if getattr(args, name) is not None]
     if args.mode == "infer" and train_only:
         parser.error(f"{', '.join(train_only)}: only with --mode train")
     if args.mode == "train" and (args.mixed or args.model != "v1"):
         parser.error("--mode train measures v1 on the generated scenes: without --mixed and --model v2")
+    args.precisions = args.precisions or (list(PRECISIONS) if args.mode == "train" else ["fp32"])
     default_steps, default_warmup = DEFAULT_STEPS[args.mode]
     args.steps = default_steps if args.steps is None else args.steps
     args.warmup = default_warmup if args.warmup is None else args.warmup
     if args.mode == "train":
         args.settings = args.settings or list(TRAIN_SETTINGS)
-        args.precisions = args.precisions or list(PRECISIONS)
         args.min_size = args.min_size or presets.values("torchvision")["data.resize_min_size"]
         if args.steps < 1 or args.rounds < 1:
             parser.error("--steps and --rounds must be >= 1")
     return args
 
 
+def package_infer_command(precision, preset, model_dir, records, steps, warmup):
+    """`main.py infer --benchmark` of one precision at batch 1 (the arguments after main.py)."""
+    argv = ["infer", "--benchmark", "--preset", preset, "--model_dir", model_dir,
+            "--config_override", f"data.validation_file_pattern={records}", "--eval_batch_size", "1",
+            "--benchmark_steps", str(steps), "--log_warmup_steps", str(warmup)]
+    return argv + (list(AMP_BF16) if precision == "bf16" else [])
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.mode == "train":
         return train_main(args)
+    precisions = measured_precisions(args.precisions)
+    if not precisions:
+        return
     jemalloc = torchvision_environment()
     with tempfile.TemporaryDirectory() as workdir:
         builder, preset = MODELS[args.model]
         photos, records, state, model_dir = prepare(workdir, args.photos, builder)
-        ours = [sys.executable, os.path.join(ROOT, "main.py"), "infer", "--benchmark", "--preset", preset,
-                "--model_dir", model_dir, "--config_override", f"data.validation_file_pattern={records}",
-                "--eval_batch_size", "1",
-                "--benchmark_steps", str(args.steps), "--log_warmup_steps", str(args.warmup)]
+        ours = {precision: [sys.executable, os.path.join(ROOT, "main.py"),
+                            *package_infer_command(precision, preset, model_dir, records, args.steps, args.warmup)]
+                for precision in precisions}
         theirs = [sys.executable, "-c", TORCHVISION_SIDE, state, photos, str(args.steps), str(args.warmup), builder]
         if args.mixed:
             mixed = os.path.join(workdir, "mixed")
             count = mixed_photos(photos, mixed)
-            ours = [sys.executable, os.path.join(ROOT, "main.py"), "infer", "--preset", preset, "--model_dir",
-                    model_dir, "--input", mixed, "--output_dir", os.path.join(workdir, "inference")]
+            ours = {precision: [sys.executable, os.path.join(ROOT, "main.py"), "infer", "--preset", preset,
+                                "--model_dir", model_dir, "--input", mixed, "--output_dir",
+                                os.path.join(workdir, f"inference-{precision}"),
+                                *(AMP_BF16 if precision == "bf16" else ())]
+                    for precision in precisions}
             theirs = [sys.executable, "-c", TORCHVISION_SIDE, state, mixed, str(count), "3", builder]
-        results = {"package": [], "torchvision": []}
+        # "package" is ours in float32, "package_bf16" under --amp's bfloat16.
+        order = [("package" if precision == "fp32" else f"package_{precision}", ours[precision], None)
+                 for precision in precisions] + [("torchvision", theirs, jemalloc)]
+        results = {name: [] for name, _, _ in order}
         for round_index in range(args.rounds):
-            order = (("package", ours, None), ("torchvision", theirs, jemalloc))
             for name, command, env in order if round_index % 2 == 0 else order[::-1]:
                 results[name].append(throughput(command, env))
                 print(f"round {round_index + 1} {name}: {results[name][-1]:.3f} img/s", flush=True)
     summary = {name: {"img_per_s": values, "mean": sum(values) / len(values)} for name, values in results.items()}
+    for name in results:
+        if name != "torchvision":
+            summary[name]["over_torchvision"] = summary[name]["mean"] / summary["torchvision"]["mean"]
     shapes = {"photo_sizes": MIXED_SHAPES, "batch_size": "preset"} if args.mixed else {
         "photo_size": [480, 640], "batch_size": 1}
     print(json.dumps({"model": builder, **shapes, **summary}))

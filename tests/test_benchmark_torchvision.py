@@ -1,5 +1,5 @@
-"""scripts/benchmark_torchvision.py --mode train: what each side is asked to run, and when bfloat16 is measured
-(no benchmark runs here)."""
+"""scripts/benchmark_torchvision.py: what each side is asked to run in inference and training, and when bfloat16 is
+measured (no benchmark runs here)."""
 
 import pytest
 
@@ -45,7 +45,18 @@ def test_train_flags_belong_to_the_train_mode():
     args = bench.parse_args(["--mode", "train"])
     assert (args.steps, args.warmup, args.settings, args.precisions, args.min_size) == (
         5, 2, ["scratch", "finetune"], ["fp32", "bf16"], 800)
-    assert (bench.parse_args([]).steps, bench.parse_args([]).warmup) == (10, 3)
-    for argv in (["--precisions", "fp32"], ["--mode", "train", "--model", "v2"]):
+    infer = bench.parse_args([])
+    assert (infer.steps, infer.warmup, infer.precisions) == (10, 3, ["fp32"])
+    for argv in (["--settings", "scratch"], ["--image_size", "800", "1088"], ["--mode", "train", "--model", "v2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
+
+
+@pytest.mark.parametrize("precision, amp", [("fp32", (False, "auto")), ("bf16", (True, "bfloat16"))])
+def test_ours_infers_at_batch_one_in_each_precision(precision, amp):
+    argv = bench.package_infer_command(precision, "torchvision_v2", "model", "records/*.tfrecord", steps=10, warmup=3)
+    config = parse(argv)[1]
+    assert (config.runtime.amp, config.runtime.amp_dtype) == amp
+    assert (config.eval.eval_batch_size, config.runtime.benchmark) == (1, True)
+    assert config.data.validation_file_pattern == "records/*.tfrecord"
+    assert bench.parse_args(["--precisions", "fp32", "bf16"]).precisions == ["fp32", "bf16"]
