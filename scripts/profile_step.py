@@ -18,6 +18,11 @@ steps run untraced; then --steps steps run under the TensorFlow profiler and the
 - the heaviest ops themselves, by type and name.
 
 Op times are summed over both threads of the CPU pool, so their total can exceed the wall time.
+
+`--memory` profiles the step's memory instead: the process runs TensorFlow's BFC allocator on the CPU (whose
+allocations the profiler records with the op and shape of each tensor), and the script prints the allocator's
+peak and the tensors live at the step's peak, the largest first, by the op that allocated them (a tensor
+forwarded in place to a later op keeps the first op's name).
 """
 
 import argparse
@@ -94,6 +99,53 @@ def op_events(logdir):
                     yield match["name"], op_type(match["type"]), event.duration_ps * 1e-12
 
 
+def memory_events(logdir):
+    """Yields (time in ps, allocated: bool, address, bytes requested, op name, shape) of every allocation and
+    deallocation the profiler recorded (TensorFlow's BFC allocator records them; the default CPU allocator does
+    not), in no particular order."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    (path,) = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if name in ("MemoryAllocation", "MemoryDeallocation"):
+                    stats = stat_values(plane, event)
+                    yield (line.timestamp_ns * 1000 + event.offset_ps, name == "MemoryAllocation", stats["addr"],
+                           stats.get("requested_bytes", 0), stats.get("tf_op", ""), stats.get("shape", ""))
+
+
+def stat_values(plane, event):
+    """{stat name: value} of a profiler event (strings the plane interns given as themselves)."""
+    values = {}
+    for stat in event.stats:
+        kind = stat.WhichOneof("value")
+        value = getattr(stat, kind) if kind else None
+        if kind == "ref_value":
+            value = plane.stat_metadata[value].name
+        values[plane.stat_metadata[stat.metadata_id].name] = value
+    return values
+
+
+def live_at_peak(events):
+    """(peak bytes, [(bytes, op name, shape) of the tensors live then]) of `memory_events`: the most bytes
+    allocated at once by the recorded allocations (those made before the profile started are not counted)."""
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for _, allocated, address, size, op, shape in sorted(events):
+        if allocated:
+            live[address] = (size, op, shape)
+            total += size
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif address in live:
+            total -= live.pop(address)[0]
+    return peak, sorted(at_peak.values(), reverse=True)
+
+
 @functools.lru_cache(maxsize=None)
 def op_type(kernel):
     """The op type that a kernel's event stands for: oneDNN's kernels by the op they replace (ONEDNN_KERNEL),
@@ -120,13 +172,31 @@ def stage_of(name, kind):
     return f"other: {kind}"
 
 
+def print_memory(tf, logdir, top):
+    """--memory's report; returns 0."""
+    peak, tensors = live_at_peak(memory_events(logdir))
+    info = tf.config.experimental.get_memory_info("CPU:0")
+    print(f"allocator: peak {info['peak'] / 2**30:.2f} GiB in use (with what the steps before the profile left), "
+          f"{info['current'] / 2**30:.2f} GiB now (variables, optimizer slots)")
+    print(f"tensors allocated in the profiled steps: {peak / 2**30:.2f} GiB live at the peak, {len(tensors)} tensors")
+    for size, op, shape in tensors[:top]:
+        print(f"{size / 2**20:9.1f} MiB  {op}  {shape}")
+    rest = sum(size for size, _, _ in tensors[top:])
+    print(f"{rest / 2**20:9.1f} MiB  (the other {max(len(tensors) - top, 0)})")
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
     parser.add_argument("--top", type=int, default=15, help="rows of each table")
+    parser.add_argument("--memory", action="store_true",
+                        help="the tensors live at the step's peak instead of its time (module docstring)")
     args = parser.parse_args(ours)
+    if args.memory:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # read when TensorFlow starts
     cli, config = parse(flags)
     if cli.mode not in ("train", "infer"):
         parser.error(f"the main.py mode after -- must be train or infer, got {cli.mode}")
@@ -142,6 +212,8 @@ def main(argv=None):
             step()
         wall = (time.perf_counter() - tic) / args.steps
         tf.profiler.experimental.stop()
+        if args.memory:
+            return print_memory(tf, logdir, args.top)
         by_stage, by_type, by_op = collections.Counter(), collections.Counter(), collections.Counter()
         for name, kind, seconds in op_events(logdir):
             by_stage[stage_of(name, kind)] += seconds / args.steps

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mrcnn_tf2.model import backbone
 from mrcnn_tf2.model.backbone import BN_EPSILON, BN_MOMENTUM, ConvBN, ResNet
 
 # Output of the last block of each group in keras.applications.ResNet50, i.e. C2..C5.
@@ -186,6 +187,45 @@ def test_trainable_bn_updates_moving_statistics_outside_frozen_blocks(rng):
     for v in model.non_trainable_variables:
         frozen = v.path.split("/")[-2].startswith("conv1_")  # the stem, frozen block group 0
         assert np.array_equal(before[v.path], v.numpy()) == frozen, v.path
+
+
+def test_stem_and_first_group_are_computed_again_for_their_gradient(rng, monkeypatch):
+    """Training, the stem and the first group keep no activations for the backward pass: their gradient runs
+    them again once the output gradient arrives, and gives the gradients and moving averages of a plain call."""
+    images = tf.constant(rng.normal(size=(2, 64, 64, 3)), tf.float32)
+    runs, initial = [], None
+    for recompute in (True, False):
+        if not recompute:
+            monkeypatch.setattr(backbone, "_recomputed", lambda forward, x: forward(x))
+        model = ResNet(18, freeze_bn=False, freeze_blocks=())
+        model(images[:1])
+        if initial is None:
+            initial = model.get_weights()
+        model.set_weights(initial)
+
+        @tf.function
+        def gradients():
+            with tf.GradientTape() as tape:
+                features = model(images, training=True)
+                loss = tf.add_n([tf.reduce_sum(f * tf.cos(f)) for f in features.values()])
+            return tape.gradient(loss, model.trainable_variables)
+
+        graph = gradients.get_concrete_function().graph
+        runs.append(dict(gradients=[g.numpy() for g in gradients()],
+                         averages=[v.numpy() for v in model.non_trainable_variables],
+                         ops=[op for op in graph.get_operations()]))
+    recomputed, plain = runs
+    count = lambda run, kind: sum(op.type == kind for op in run["ops"])  # noqa: E731
+    # ResNet-18's stem and first group hold 5 batch norms, computed twice; the moving averages update once.
+    assert count(recomputed, "FusedBatchNormV3") == count(plain, "FusedBatchNormV3") + 5
+    assert count(recomputed, "AssignVariableOp") == count(plain, "AssignVariableOp") == 2 * 20
+    # The recomputation starts from the images once the output gradient is there (not during the forward pass).
+    (wait,) = [op for op in recomputed["ops"] if op.type == "Identity" and op.inputs[0].shape == images.shape]
+    assert [op.outputs[0].shape for op in wait.control_inputs] == [[2, 16, 16, 64]]  # C2's gradient
+    for got, want in zip(recomputed["gradients"], plain["gradients"]):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(recomputed["averages"], plain["averages"]):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_bad_arguments_raise():

@@ -163,6 +163,14 @@ def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
     monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 36 * 4 * 4 * 3 * 2)  # two images' tiles per part
     split = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
     assert sum(op.type == "MrcnnWinogradInput" for op in split.graph.get_operations()) == 3  # 2 + 2 + 1
+    # The kernel's transform waits for the input: in a backward pass, for the output gradient (the flipped
+    # kernel exists from the start, and every conv's transform would be held until its gradient came).
+    # (A function's own inputs take no control dependencies: the input here is an op's output, as in a model.)
+    graph = tf.function(lambda x, w: fused.conv2d_3x3(tf.nn.relu(x), w)).get_concrete_function(x, w).graph
+    (kernel_transform,) = [op for op in graph.get_operations()
+                           if op.type == "MatMul" and op.inputs[0].op.type == "Const"]
+    # TensorFlow puts the control input on the product's constant (the ops after it carry it through their inputs).
+    assert [op.type for op in kernel_transform.inputs[0].op.control_inputs] == ["Relu"]
     # Not bit for bit: oneDNN's matrix product between the transforms may block a part's smaller batch
     # differently (seen on an AVX2 CPU), which changes float32 rounding only.
     np.testing.assert_allclose(split(x, w).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())

@@ -45,3 +45,13 @@ def test_onednn_kernels_are_read_as_the_ops_they_replace():
                        ("_MklNativeFusedBatchNormV3", "FusedBatchNormV3"), ("_MklLayerNorm", "_MklLayerNorm"),
                        ("Conv2D", "Conv2D"), ("_FusedMatMul", "_FusedMatMul"), ("MrcnnRoiAlign", "MrcnnRoiAlign")]:
         assert profile_step.op_type(kernel) == op, kernel
+
+
+def test_the_tensors_live_at_the_memory_peak():
+    """--memory's reading of the allocator's events: the peak counts what is allocated and not yet freed, in time
+    order, and lists those tensors, largest first; a free of memory allocated before the profile is ignored."""
+    events = [(40, False, 0xA, 0, "", ""), (10, True, 0xA, 100, "a", "[25]"), (20, True, 0xB, 300, "b", "[75]"),
+              (30, False, 0xB, 0, "", ""), (35, True, 0xC, 50, "c", "[2,25]"), (36, False, 0xF, 0, "", ""),
+              (50, True, 0xD, 320, "d", "[80]")]
+    assert profile_step.live_at_peak(events) == (400, [(300, "b", "[75]"), (100, "a", "[25]")])
+    assert profile_step.live_at_peak(events[:2] + events[3:]) == (370, [(320, "d", "[80]"), (50, "c", "[2,25]")])

@@ -90,9 +90,11 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
 
     `kernel_initializer`: the conv's (default He normal with fan_out); a Keras initializer or its config.
 
-    call(inputs [B, H, W, C_in], residual=None, training=None) -> [B, H / strides, W / strides, filters]
-    in the compute dtype. `residual` (same shape as the output) is added before the ReLU: the end of a
-    residual block, kept here so that Conv + BiasAdd + Add + ReLU stay adjacent for the fusion.
+    call(inputs [B, H, W, C_in], residual=None, training=None, update_averages=True)
+    -> [B, H / strides, W / strides, filters] in the compute dtype. `residual` (same shape as the output) is
+    added before the ReLU: the end of a residual block, kept here so that Conv + BiasAdd + Add + ReLU stay
+    adjacent for the fusion. `update_averages=False`: batch norm trains without updating the moving averages
+    (a forward pass computed again for its gradient, `ResNet`).
     """
 
     def __init__(self, filters, kernel_size, strides=1, relu=True, conv_route=conv_ops.CPU, kernel_initializer=None,
@@ -122,14 +124,14 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         self.conv.build(input_shape)
         self.bn.build(tuple(input_shape[:-1]) + (self.filters,))
 
-    def call(self, inputs, residual=None, training=None):
+    def call(self, inputs, residual=None, training=None, update_averages=True):
         x = tf.cast(inputs, self.compute_dtype)
         if residual is not None:
             residual = tf.cast(residual, self.compute_dtype)
         kernel = self.conv.kernel
         if training and self.bn.trainable:
             x = self._train_batch_norm(conv_ops.conv2d(x, tf.cast(kernel, self.compute_dtype), self.strides,
-                                                       self._padding, route=self.conv_route))
+                                                       self._padding, route=self.conv_route), update_averages)
             if residual is not None:
                 x = x + residual
             return tf.nn.relu(x) if self.relu else x
@@ -139,7 +141,7 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
                                bias=tf.cast(bias, self.compute_dtype), residual=residual, relu=self.relu,
                                route=self.conv_route)
 
-    def _train_batch_norm(self, x):
+    def _train_batch_norm(self, x, update_averages):
         """Batch norm of `x` [B, H, W, C] on the batch's statistics, which update the moving averages as the
         BatchNormalization sublayer would (its momentum, the biased variance), in TensorFlow's fused kernel: one
         pass for the statistics and one to normalise, and as few backward, where the sublayer's call takes several
@@ -151,6 +153,8 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
         # The kernel returns the unbiased variance (times n / (n - 1)).
         count = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.float32)
         variance *= (count - 1.0) / tf.maximum(count, 1.0)
+        if not update_averages:
+            return x
         bn.moving_mean.assign(bn.moving_mean * bn.momentum + mean * (1.0 - bn.momentum))
         bn.moving_variance.assign(bn.moving_variance * bn.momentum + variance * (1.0 - bn.momentum))
         return x
@@ -190,7 +194,8 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
     in the first. A projection shortcut '<name>_0' (1x1 conv, stride, BN) replaces the identity where the
     stride or width changes.
 
-    call(inputs [B, H, W, C_in], training=None) -> [B, H / strides, W / strides, C_out] in the compute dtype.
+    call(inputs [B, H, W, C_in], training=None, update_averages=True) -> [B, H / strides, W / strides, C_out]
+    in the compute dtype (`update_averages` as ConvBN's).
     """
 
     def __init__(self, filters, strides, bottleneck, stride_in_1x1, projection, conv_route=conv_ops.CPU, **kwargs):
@@ -213,12 +218,13 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
         self.shortcut = (ConvBN(out_filters, 1, strides, relu=False, conv_route=conv_route, name=f"{self.name}_0")
                          if projection else None)
 
-    def call(self, inputs, training=None):
-        residual = inputs if self.shortcut is None else self.shortcut(inputs, training=training)
+    def call(self, inputs, training=None, update_averages=True):
+        flags = dict(training=training, update_averages=update_averages)
+        residual = inputs if self.shortcut is None else self.shortcut(inputs, **flags)
         x = inputs
         for conv in self.convs[:-1]:
-            x = conv(x, training=training)
-        return self.convs[-1](x, residual=residual, training=training)
+            x = conv(x, **flags)
+        return self.convs[-1](x, residual=residual, **flags)
 
     def get_config(self):
         config = super().get_config()
@@ -292,16 +298,36 @@ class ResNet(TracksSublayers, keras.Model):
         super().build(input_shape)
 
     def call(self, images, training=None):
-        x = self.stem(images, training=training)
-        # keras.applications' zero padding equals max-pool padding here: the stem's output is post-ReLU,
-        # so >= 0. A separate pad, because XLA does not compile pooling with explicit padding.
-        x = tf.nn.max_pool2d(tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]]), 3, 2, "VALID", name="pool1_pool")
-        features = {}
-        for level, blocks in enumerate(self.groups, FIRST_LEVEL):
+        first = self.stem.trainable_weights + [w for block in self.groups[0] for w in block.trainable_weights]
+        if training and first and self.conv_route != conv_ops.PLAIN:
+            # The stem and the first group, whose activations are the largest, keep none for the backward
+            # pass: their gradient computes them again, a few percent of a step's multiply-adds for a third of
+            # the backbone's memory (docs/PERFORMANCE.md). Measured on the CPU routes only.
+            x = _recomputed(self._stem_and_first_group, images)
+        else:
+            x = self._stem_and_first_group(images, training)
+        features = {FIRST_LEVEL: x}
+        for level, blocks in enumerate(self.groups[1:], FIRST_LEVEL + 1):
             for block in blocks:
                 x = block(x, training=training)
             features[level] = x
         return features
+
+    def _stem_and_first_group(self, images, training=True, update_averages=True):
+        """images [B, H, W, 3] -> C2 [B, H / 4, W / 4, C]: the stem, the max pooling and the first group."""
+        flags = dict(training=training, update_averages=update_averages)
+        x = self.stem(images, **flags)
+        # Padded by one pixel on each side, as torchvision's and keras.applications' are. XLA and the export
+        # converters do not take pooling with explicit padding: there the padding is a separate op (zeros: the
+        # stem's output is post-ReLU, so >= 0), whose output the gradient keeps (a copy of the stem's output).
+        padding = [[0, 0], [1, 1], [1, 1], [0, 0]]
+        if self.conv_route == conv_ops.WINOGRAD:
+            x = tf.nn.max_pool2d(x, 3, 2, padding, name="pool1_pool")
+        else:
+            x = tf.nn.max_pool2d(tf.pad(x, padding), 3, 2, "VALID", name="pool1_pool")
+        for block in self.groups[0]:
+            x = block(x, **flags)
+        return x
 
     def get_config(self):
         config = super().get_config()
@@ -310,3 +336,30 @@ class ResNet(TracksSublayers, keras.Model):
             freeze_blocks=list(self.freeze_blocks), conv_route=self.conv_route,
         )
         return config
+
+
+def _recomputed(forward, inputs):
+    """forward(inputs) [training, averages updated] under a gradient that computes it again rather than keeping
+    its activations for the backward pass: the memory of a layer's activations for the cost of its forward.
+
+    `inputs` are data (images): they get no gradient. The recomputation trains batch norm on the same batch
+    statistics without updating the moving averages again, so values and gradients are those of the plain
+    call (the same kernels on the same inputs).
+    """
+    @tf.custom_gradient
+    def run(x):
+        def grad(out_grad, variables=None):
+            # After the output gradient arrives: TensorFlow's executor would otherwise recompute as soon as the
+            # inputs exist, during the forward pass, and hold it all until the gradient came.
+            with tf.control_dependencies([out_grad]):
+                again = tf.identity(x)
+            trained = [v for v in variables or () if v.trainable]
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(trained)
+                outputs = forward(again, update_averages=False)
+            gradients = iter(tape.gradient(outputs, trained, output_gradients=out_grad))
+            return None, [next(gradients) if v.trainable else None for v in variables or ()]
+
+        return forward(x), grad
+
+    return run(inputs)

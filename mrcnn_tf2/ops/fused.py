@@ -247,8 +247,11 @@ def conv2d_3x3(inputs, kernel):
     library = load_library()
     batch, height, width, in_channels = inputs.shape
     out_channels = kernel.shape[3]
-    transformed = tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])),
-                             [36, in_channels, out_channels])
+    # After the input: in a backward pass the flipped kernel is there long before the output gradient, and
+    # the executor would transform every conv's kernel at once and hold them all (36 x C_in x C_out each).
+    with tf.control_dependencies([inputs]):
+        transformed = tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])),
+                                 [36, in_channels, out_channels])
 
     def convolve(images):
         products = tf.matmul(library.mrcnn_winograd_input(images), transformed)  # [36, T, C_out]
