@@ -43,6 +43,10 @@ STEM_GROUP = 0
 NUM_GROUPS = len(GROUP_FILTERS)
 # Feature level of each group's output: group g (1..4) gives C_{g+1} at stride 2**(g+1).
 FIRST_LEVEL = 2
+# Training recomputes the stem and the first group for their gradient from this size of the stem's output up
+# (ResNet.call): 106 MiB at 800x1088, batch 2; the demo's 128x128, batch 8, gives 8 MiB, where keeping the
+# activations is faster (docs/PERFORMANCE.md#memory).
+RECOMPUTE_MIN_BYTES = 32 * 2**20
 
 
 def he_normal_fan_out():
@@ -299,10 +303,11 @@ class ResNet(TracksSublayers, keras.Model):
 
     def call(self, images, training=None):
         first = self.stem.trainable_weights + [w for block in self.groups[0] for w in block.trainable_weights]
-        if training and first and self.conv_route != conv_ops.PLAIN:
+        if training and first and self.conv_route != conv_ops.PLAIN and _stem_bytes(images) >= RECOMPUTE_MIN_BYTES:
             # The stem and the first group, whose activations are the largest, keep none for the backward
             # pass: their gradient computes them again, a few percent of a step's multiply-adds for a third of
-            # the backbone's memory (docs/PERFORMANCE.md). Measured on the CPU routes only.
+            # the backbone's memory (docs/PERFORMANCE.md). Measured on the CPU routes only; small batches keep
+            # their activations, which cost little memory, and the time.
             x = _recomputed(self._stem_and_first_group, images)
         else:
             x = self._stem_and_first_group(images, training)
@@ -336,6 +341,14 @@ class ResNet(TracksSublayers, keras.Model):
             freeze_blocks=list(self.freeze_blocks), conv_route=self.conv_route,
         )
         return config
+
+
+def _stem_bytes(images):
+    """Bytes of the stem's output for `images` [B, H, W, 3] (float32), or infinity where a size is unknown."""
+    batch, height, width = images.shape[:3]
+    if None in (batch, height, width):
+        return float("inf")
+    return batch * -(-height // 2) * -(-width // 2) * STEM_FILTERS * 4
 
 
 def _recomputed(forward, inputs):
