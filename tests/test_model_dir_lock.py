@@ -4,6 +4,8 @@ unless --break_lock, a file that is not a lock left as it is, takers racing for 
 taking it under Horovod; then `main.py train` refused beside a running trainer and taking over from a killed
 one, and `main.py eval` ignoring the lock."""
 
+import errno
+import fcntl
 import json
 import os
 import re
@@ -206,8 +208,15 @@ def test_on_a_file_system_without_hard_links_the_lock_is_created_exclusively(tmp
     assert os.listdir(tmp_path) == []
 
 
+def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, "No locks available")  # as on a file system without flock
+
+
 def test_a_taker_leaves_alone_the_lock_another_took_over_after_it_judged_the_stale_one(tmp_path, sleeper,
                                                                                         monkeypatch):
+    # Unguarded (no flock), the takeover protocol alone: another trainer takes over between this one's judging
+    # and its removing the stale lock.
+    monkeypatch.setattr(model_dir_lock.fcntl, "flock", no_flock)
     write_lock(tmp_path, sleeper.pid, start_ticks=0)  # a reused pid: stale
     judge, calls = model_dir_lock._judge_or_refuse, []
 
@@ -259,6 +268,41 @@ def test_of_trainers_taking_over_one_stale_lock_at_once_exactly_one_holds_it(tmp
     # The holder says it took over, unless it found the lock already moved aside by a taker it then outran.
     assert "".join(outputs).count(f"took over the lock of pid {sleeper.pid}") <= 1, outputs
     assert os.listdir(tmp_path) == []
+
+
+def test_a_stale_lock_is_judged_and_replaced_under_a_flock_on_the_directory(tmp_path, sleeper, monkeypatch):
+    write_lock(tmp_path, sleeper.pid, start_ticks=0)  # a reused pid: stale
+    judge, guarded = model_dir_lock._judge_or_refuse, []
+
+    def judge_while_another_tries_the_flock(*args):
+        other = os.open(tmp_path, os.O_RDONLY)  # another open file description, as in another process
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            guarded.append(True)
+        finally:
+            os.close(other)
+        return judge(*args)
+
+    monkeypatch.setattr(model_dir_lock, "_judge_or_refuse", judge_while_another_tries_the_flock)
+    with hold(str(tmp_path)):
+        assert lock_record(tmp_path)["pid"] == os.getpid()
+    assert guarded == [True] and os.listdir(tmp_path) == []
+
+
+def test_a_process_stopped_while_changing_the_lock_file_is_named_after_the_guards_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(model_dir_lock, "GUARD_TIMEOUT_S", 0.2)
+    guard = os.open(tmp_path, os.O_RDONLY)  # another open file description: a flock of "another process"
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        with pytest.raises(ModelDirLocked, match=f"^--model_dir: {tmp_path}: another process has been changing "
+                                                 f"train.lock for 0.2 s .*Ctrl-Z"):
+            acquire(str(tmp_path))
+        assert os.listdir(tmp_path) == []
+    finally:
+        os.close(guard)
+    with hold(str(tmp_path)):  # the flock gone with its holder
+        assert os.listdir(tmp_path) == [LOCK_FILE]
 
 
 def test_the_module_imports_without_tensorflow():

@@ -14,7 +14,8 @@ The lock is a small JSON file: host, pid, start time, and what tells a live hold
 (the kernel's boot id, the process's start time in clock ticks since boot, its pid namespace), and the
 command line, for the user. It is removed when the run ends in any way the process controls (a return, an
 exception, Ctrl-C) and only while it is still this process's own; after a SIGKILL it stays behind and the
-next run on this host takes it over as stale.
+next run on this host takes it over as stale. Changes to the file (taking, taking over, releasing) are made under
+a flock on model_dir, so that trainers racing for it at once cannot both win (`_guarded`).
 
 Only training takes it: eval, infer and export read model_dir and run beside a trainer.
 This module imports neither TensorFlow nor anything that does (`mrcnn_tf2.config` and `files` do not).
@@ -25,9 +26,11 @@ import datetime
 import errno
 import json
 import os
+import fcntl
 import shlex
 import socket
 import sys
+import time
 import uuid
 
 from mrcnn_tf2 import files
@@ -42,6 +45,9 @@ REQUIRED_FIELDS = ("host", "pid")
 ATTEMPTS = 5
 # os.link's errors on file systems without hard links (FAT, some network and FUSE file systems).
 NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+# How long a trainer waits for another process's change of the lock file (each takes microseconds) before it
+# gives up: only a process stopped in the middle of one (Ctrl-Z, a debugger) holds the guard that long.
+GUARD_TIMEOUT_S = 30.0
 
 
 class ModelDirLocked(ConfigError):
@@ -239,7 +245,8 @@ class Lock:
     def release(self):
         """Removes the lock file unless it is no longer this lock (broken and taken by another trainer, or
         gone); returns whether it removed it. Safe to call more than once."""
-        return _remove_if(self.path, self._data)
+        with _guarded(os.path.dirname(self.path)):
+            return _remove_if(self.path, self._data)
 
 
 def acquire(model_dir, break_lock=False, argv=None):
@@ -258,15 +265,23 @@ def acquire(model_dir, break_lock=False, argv=None):
     path = os.path.join(model_dir, LOCK_FILE)
     record = own_record(argv)
     data = (json.dumps(record, indent=2) + "\n").encode("utf-8")
-    # Taking over a stale lock S, safe against other new trainers doing the same at once:
-    # 1. S is removed only by `_remove_if(path, S)`: it renames whatever is at `path` aside (atomic, so of two
-    #    takers one moves S and the other finds nothing) and deletes it only if it is S; a newer lock moved by
-    #    mistake (another taker already replaced S) is put back.
-    # 2. This trainer then creates its own lock with `_create`'s atomic link, which fails if another got there
-    #    first; the loop then judges that lock afresh, and refuses a live trainer.
-    # Of two trainers taking over S at once, exactly one ends up holding the lock. A third one arriving in the
-    # microseconds a moved lock is away could slip in (the put-back then fails); closing that would take a lock
-    # arbitrated by the file system (flock), which not every shared file system offers.
+    with _guarded(model_dir):
+        return _acquire(model_dir, path, record, data, break_lock)
+
+
+def _acquire(model_dir, path, record, data, break_lock):
+    """`acquire`'s takeover protocol, which stands alone where `_guarded` cannot guard it.
+
+    Taking over a stale lock S, safe against another new trainer doing the same at once:
+    1. S is removed only by `_remove_if(path, S)`: it renames whatever is at `path` aside (atomic, so of two
+       takers one moves S and the other finds nothing) and deletes it only if it is S; a newer lock moved by
+       mistake (another taker already replaced S) is put back.
+    2. This trainer then creates its own lock with `_create`'s atomic link, which fails if another got there
+       first; the loop then judges that lock afresh, and refuses a live trainer.
+    Unguarded, a third trainer arriving in the microseconds a moved lock is away could slip in (the put-back then
+    fails, and two trainers hold it): seen with six takers at once. The guard serialises the takers, and then
+    `_remove_if` only ever moves S.
+    """
     for _ in range(ATTEMPTS):
         if _create(path, data):
             return Lock(path, record, data)
@@ -279,6 +294,41 @@ def acquire(model_dir, break_lock=False, argv=None):
             return Lock(path, record, data)
     raise ModelDirLocked(f"{path}: other trainers kept taking and changing the lock while this one tried "
                          f"{ATTEMPTS} times to take it; run again once one of them holds it")
+
+
+@contextlib.contextmanager
+def _guarded(model_dir):
+    """Runs the block holding an exclusive flock on the directory `model_dir`: the processes of this host (and,
+    where the file system arbitrates flock, of other hosts) change the lock file one at a time. The kernel
+    drops the flock when its process dies, so it is never stale. Where the file system offers no flock on a
+    directory (NFS emulates flock with POSIX locks, which need a file open for writing) or model_dir is gone,
+    the block runs unguarded.
+
+    Raises:
+      ModelDirLocked: another process has held the flock for GUARD_TIMEOUT_S.
+    """
+    try:
+        fd = os.open(model_dir, os.O_RDONLY)
+    except OSError:
+        fd = None
+    try:
+        deadline = time.monotonic() + GUARD_TIMEOUT_S
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ModelDirLocked(f"{model_dir}: another process has been changing {LOCK_FILE} for "
+                                         f"{GUARD_TIMEOUT_S:g} s (it holds a flock on the directory): is a "
+                                         "trainer stopped (Ctrl-Z, a debugger)? Resume or end it, then run again")
+                time.sleep(0.005)
+            except OSError:
+                break  # no flock here
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # drops the flock
 
 
 def _judge_or_refuse(model_dir, path, seen, break_lock):
