@@ -28,6 +28,9 @@ from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
 
+# tf.data runs a map's function through autograph unless told not to; the preprocessing has no Python control
+# flow on tensors, and converting it cost seconds at every start-up.
+unconverted = tf.autograph.experimental.do_not_convert
 # Class id and mask value of a padded ground-truth slot (padded boxes are PADDING_BOX_VALUE).
 PADDING_CLASS = -1
 PADDING_MASK = -1.0
@@ -204,7 +207,7 @@ class InputPipeline:
             records = self._training_records(paths, file_pattern, shard_index, num_shards)
             records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
             # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.
-            examples = records.enumerate().map(self.preprocess_train, num_parallel_calls=tf.data.AUTOTUNE)
+            examples = records.enumerate().map(unconverted(self.preprocess_train), num_parallel_calls=tf.data.AUTOTUNE)
             batches = examples.batch(batch_size, drop_remainder=True)
             if self.data.use_synthetic_data:
                 batches = batches.take(1).cache().repeat()
@@ -214,10 +217,10 @@ class InputPipeline:
             records = worker_records(paths, 0, 1, training=False)
             if max_records is not None:
                 records = records.take(max_records)
-            examples = records.shard(num_shards, shard_index).map(self.preprocess_eval,
+            examples = records.shard(num_shards, shard_index).map(unconverted(self.preprocess_eval),
                                                                   num_parallel_calls=tf.data.AUTOTUNE)
             # Zero padding to the batch's largest example, then to the model input's size (`pad_batch`).
-            batches = examples.padded_batch(batch_size, drop_remainder=False).map(self._pad_batch)
+            batches = examples.padded_batch(batch_size, drop_remainder=False).map(unconverted(self._pad_batch))
         return batches.prefetch(tf.data.AUTOTUNE)
 
     def _training_records(self, paths, file_pattern, shard_index, num_shards):

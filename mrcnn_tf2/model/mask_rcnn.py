@@ -90,7 +90,8 @@ class MaskRCNN(TracksSublayers, keras.Model):
             return layer(inputs, training=training)
         key = (id(layer), training)
         if key not in self._compiled_layers:
-            self._compiled_layers[key] = tf.function(lambda x: layer(x, training=training), jit_compile=True)
+            self._compiled_layers[key] = tf.function(lambda x: layer(x, training=training), jit_compile=True,
+                                                          autograph=False)
         return self._compiled_layers[key](inputs)
 
     def _features(self, images, training):

@@ -84,7 +84,7 @@ def detect_function(model, fused_roi_align=False):
     """
 
     @tf.function(input_signature=[tf.TensorSpec([1, None, None, 3], tf.float32, name="images"),
-                                  tf.TensorSpec([1, 5], tf.float32, name="image_info")])
+                                  tf.TensorSpec([1, 5], tf.float32, name="image_info")], autograph=False)
     def detect(images, image_info):
         with _fused_roi_aligners(model) if fused_roi_align else contextlib.nullcontext():
             detections = model.detect({"images": images, "image_info": image_info})

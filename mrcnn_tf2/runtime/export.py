@@ -55,7 +55,7 @@ class ServingModule(tf.Module):
         self.preprocessor = preprocessor
         if preprocessor.pad_to_multiple is not None:
             # What `_detect` gives for one image, without its batch axis: the signature of `_detect_each`.
-            one = tf.function(self._detect).get_concrete_function(
+            one = tf.function(self._detect, autograph=False).get_concrete_function(
                 tf.TensorSpec([1, *preprocessor.image_size, 3], tf.float32), tf.TensorSpec([1, 5], tf.float32))
             self._one_image = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype),
                                                     one.structured_outputs)
@@ -85,19 +85,19 @@ class ServingModule(tf.Module):
         signature = (tf.TensorSpec([height, width, 3], tf.float32), tf.TensorSpec([5], tf.float32))
         return tf.map_fn(function, inputs, fn_output_signature=signature)
 
-    @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")])
+    @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")], autograph=False)
     def serve_images(self, images):
         """uint8 [B, H, W, 3] RGB -> the detection dict (module docstring)."""
         return self._detect(*self._preprocess_each(self._preprocess, images))
 
     @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32, name="images"),
-                                  tf.TensorSpec([None, 5], tf.float32, name="image_info")])
+                                  tf.TensorSpec([None, 5], tf.float32, name="image_info")], autograph=False)
     def serve_preprocessed(self, images, image_info):
         """float32 [B, H, W, 3] images preprocessed as `main.py infer` does, [B, 5] image_info -> the detection
         dict (module docstring): the signature `mrcnn_tf2.runtime.predictor.Predictor` calls."""
         return self._detect_each(images, image_info)
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")])
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")], autograph=False)
     def serve_bytes(self, image_bytes):
         """string [B] encoded images -> the detection dict (module docstring)."""
 

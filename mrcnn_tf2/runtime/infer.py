@@ -39,7 +39,7 @@ from PIL import Image
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.data.pipeline import InputPipeline, unconverted
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.evaluation.visualize import draw_detections
 from mrcnn_tf2.runtime.benchmark import report_benchmark
@@ -80,7 +80,7 @@ def photos_from_files(paths):
 def photos_from_records(file_pattern, max_images=None):
     """Yields a Photo per record of the TFRecords matching `file_pattern`, in file order (at most max_images)."""
     records = tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(file_pattern)))
-    examples = records.map(lambda serialized: decode_example(serialized, include_masks=False),
+    examples = records.map(unconverted(lambda serialized: decode_example(serialized, include_masks=False)),
                            num_parallel_calls=tf.data.AUTOTUNE)
     if max_images is not None:
         examples = examples.take(max_images)

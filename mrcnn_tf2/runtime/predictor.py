@@ -49,7 +49,8 @@ def predict_function(model, eagerly=False):
         model_ref = weakref.ref(model)
         # reduce_retracing: batches padded to their own size (data.pad_to_multiple) share a trace of
         # unknown height and width after the first few sizes, instead of one trace per size.
-        function = tf.function(lambda batch: model_ref().predict_step(batch), reduce_retracing=True)
+        # Without autograph, as the training step (runtime/train.py).
+        function = tf.function(lambda batch: model_ref().predict_step(batch), reduce_retracing=True, autograph=False)
         _PREDICT_FUNCTIONS[model] = function
     return function
 

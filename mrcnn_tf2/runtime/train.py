@@ -166,7 +166,9 @@ class Trainer:
 
         if self.config.runtime.eagerly:
             return update
-        return tf.function(update)
+        # Without autograph: the model has no Python control flow on tensors (tf.cond and tf.while_loop where it
+        # branches), and converting its code cost about two seconds at every start-up.
+        return tf.function(update, autograph=False)
 
     def _log_graph(self, update, batches, logger):
         """--log_graph: rank 0 traces `update` on `batches` and writes the graph to TensorBoard (--log_tensorboard,
