@@ -24,9 +24,9 @@ This module imports neither TensorFlow nor anything that does (`mrcnn_tf2.config
 import contextlib
 import datetime
 import errno
+import fcntl
 import json
 import os
-import fcntl
 import shlex
 import socket
 import sys
