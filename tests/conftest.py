@@ -1,16 +1,14 @@
 """Shared pytest set-up: torch without Triton, quiet TensorFlow, fixed seeds, the expensive inputs that several test
-modules read (generated data, a trained small model, a converted torchvision model), made once per test run, and
-the order in which the tests run.
+modules read (generated data, a trained small model, a converted torchvision model), made once per test run
+(support.built_once), and the order in which the tests run.
 
 The tests import the repository's top-level main.py, dataset/, weights/, scripts/ and tests/ modules:
 pytest.ini's `pythonpath = .` puts the repository root on sys.path (the package itself is installed, editable).
 Helpers shared by test modules are in tests/support.py.
 """
-import fcntl
 import gc
 import json
 import os
-import shutil
 import sys
 
 # Before anything imports torch: in a process that has loaded TensorFlow, importing torchvision segfaults
@@ -29,7 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.support import (SCHEDULE_FLAGS, SMALL_FLAGS, TORCHVISION_BUILDERS, TRAINED_STEPS,  # noqa: E402
+from tests.support import (SCHEDULE_FLAGS, SMALL_FLAGS, TORCHVISION_BUILDERS, TRAINED_STEPS, built_once,  # noqa: E402
                            run_converter, torchvision_model)
 
 
@@ -37,25 +35,6 @@ from tests.support import (SCHEDULE_FLAGS, SMALL_FLAGS, TORCHVISION_BUILDERS, TR
 def rng():
     """A seeded NumPy generator, so that every random test input is reproducible."""
     return np.random.default_rng(0)
-
-
-def built_once(tmp_path_factory, name, build):
-    """The directory `name`, made by `build(directory)` once per test run and shared by pytest-xdist's workers:
-    the first worker to ask builds it under a lock and marks it done, and the others wait for it (a build that
-    failed is retried, from an empty directory). Read it only: a test that changes it works on a copy
-    (shutil.copytree)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's directory, above each worker's own
-    target, done = root / name, root / f"{name}.done"
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir()
-            build(target)
-            done.touch()
-    return target
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +52,7 @@ def shapes_records(tmp_path_factory):
             convert_coco(str(root / split), str(root / "annotations" / f"instances_{split}.json"),
                          str(root / "tfrecords"), tag=split, num_shards=shards, num_workers=1, progress=False)
 
-    root = built_once(tmp_path_factory, "shapes_records", build)
+    root = built_once(tmp_path_factory, "shapes_records", build, across_runs=True)
     out = root / "tfrecords"
     annotations = {}
     for split in ("train", "val"):
@@ -112,7 +91,7 @@ def converted_torchvision(tmp_path_factory, version):
         assert code == 0, err
         (folder / "converter_output.txt").write_text(out)
 
-    folder = built_once(tmp_path_factory, f"torchvision_{version}", build)
+    folder = built_once(tmp_path_factory, f"torchvision_{version}", build, across_runs=True)
     return {"state_dict": folder / f"{name}.pth", "model_dir": folder / "model",
             "converter_output": (folder / "converter_output.txt").read_text()}
 
@@ -134,6 +113,15 @@ def pytest_collection_modifyitems(items):
     two pytest-xdist workers take tests in this order, so the long ones start early and short ones fill the end."""
     slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module not in slow_modules)
+
+
+def pytest_runtest_setup(item):
+    """Under --dist loadgroup, pytest-xdist suffixes the node id of a test with its xdist_group, which is how the
+    controller keeps a group on one worker: with pytest 9.2 and pytest-xdist 3.8 the suffix was silently lost,
+    each worker made the group's module fixtures again (requirements.txt)."""
+    if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
+            and "@" not in item.nodeid):
+        pytest.fail("pytest-xdist did not tag this test with its xdist_group: the group is not kept on one worker")
 
 
 @pytest.hookimpl(hookwrapper=True)

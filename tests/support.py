@@ -3,12 +3,15 @@
 
 Test modules import from here (`from tests.support import ...`) and from conftest's fixtures, never from each
 other. Expensive set-up that several modules use (generated data, a trained small model, converted
-torchvision weights) is a session fixture in tests/conftest.py.
+torchvision weights) is a session fixture in tests/conftest.py, made once by `built_once`.
 """
 
 import contextlib
+import fcntl
 import io
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +20,33 @@ import numpy as np
 from mrcnn_tf2.arguments import parse
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository's root
+
+# `make test` runs the suite twice, with oneDNN's kernels and with TensorFlow's own: a directory of both runs
+# (the Makefile makes and removes it) for what neither kernel choice changes.
+ACROSS_RUNS_ENV = "MRCNN_TF2_TEST_SHARED_DIR"
+
+
+def built_once(tmp_path_factory, name, build, across_runs=False):
+    """The directory `name`, made by `build(directory)` once per test run and shared by pytest-xdist's workers:
+    the first worker to ask builds it under a lock and marks it done, and the others wait for it (a build that
+    failed is retried, from an empty directory). Read it only: a test that changes it works on a copy
+    (shutil.copytree). across_runs: once for both runs of `make test` (under ACROSS_RUNS_ENV when it is set),
+    for what TensorFlow's kernels do not compute (generated data, converted weights, torch's outputs)."""
+    root = tmp_path_factory.getbasetemp()
+    if across_runs and os.environ.get(ACROSS_RUNS_ENV):
+        root = Path(os.environ[ACROSS_RUNS_ENV])
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    target, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            build(target)
+            done.touch()
+    return target
+
 
 # The small test model as `main.py` flags: a ResNet-18 Mask R-CNN at 128x128 with small heads and budgets, 6
 # classes (background and the generated shapes' 5), a step in a fraction of a second. Every small model of the

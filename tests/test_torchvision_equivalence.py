@@ -26,11 +26,8 @@ from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.runtime import predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function
-from tests.support import maskrcnn_resnet50_fpn, photo
+from tests.support import built_once, maskrcnn_resnet50_fpn, photo
 
-# The torchvision model's outputs and its conversion are module fixtures: the module's tests run on one
-# pytest-xdist worker, which makes them once.
-pytestmark = pytest.mark.xdist_group("torchvision_equivalence")
 # Smaller than torchvision's 800 / 1333 to keep the test quick on a CPU; the arithmetic is the same.
 MIN_SIZE, MAX_SIZE = 480, 800
 # (height, width) of the photos: landscape, portrait, square, and one whose resized sides are not multiples
@@ -70,28 +67,38 @@ def torchvision_outputs(version, state_dict_path, photo_paths):
     return out
 
 
+# The photos, torchvision's outputs and the conversions are made once for both workers and both runs of
+# `make test` (conftest.built_once), so that the tests spread over the workers.
 @pytest.fixture(scope="module")
 def photo_files(tmp_path_factory):
     """[(h, w, path of a JPEG photo)]; both sides read them back with PIL."""
-    folder = tmp_path_factory.mktemp("photos")
-    photos = []
-    for seed, (height, width) in enumerate(PHOTO_SIZES):
-        path = str(folder / f"photo_{height}x{width}.jpg")
-        Image.fromarray(photo(height, width, seed)).save(path, quality=90)
-        photos.append((height, width, path))
-    return photos
+    def build(folder):
+        for seed, (height, width) in enumerate(PHOTO_SIZES):
+            Image.fromarray(photo(height, width, seed)).save(folder / f"photo_{height}x{width}.jpg", quality=90)
+
+    folder = built_once(tmp_path_factory, "equivalence_photos", build, across_runs=True)
+    return [(height, width, str(folder / f"photo_{height}x{width}.jpg")) for height, width in PHOTO_SIZES]
+
+
+def reference_outputs(tmp_path_factory, version, photo_files, converted):
+    """torchvision's outputs (`torchvision_outputs`) of the suite's model of `version` on the photos."""
+    def build(folder):
+        outputs = torchvision_outputs(version, converted["state_dict"], [path for _, _, path in photo_files])
+        np.savez(folder / "outputs.npz", **outputs)
+
+    with np.load(built_once(tmp_path_factory, f"torchvision_{version}_outputs", build, across_runs=True)
+                 / "outputs.npz") as outputs:
+        return dict(outputs)
 
 
 @pytest.fixture(scope="module")
-def reference(photo_files, torchvision_v1):
-    """torchvision's outputs (`torchvision_outputs`) of the suite's v1 model on the photos."""
-    return torchvision_outputs("v1", torchvision_v1["state_dict"], [path for _, _, path in photo_files])
+def reference(tmp_path_factory, photo_files, torchvision_v1):
+    return reference_outputs(tmp_path_factory, "v1", photo_files, torchvision_v1)
 
 
 @pytest.fixture(scope="module")
-def reference_v2(photo_files, torchvision_v2):
-    """torchvision's outputs (`torchvision_outputs`) of the suite's v2 model on the photos."""
-    return torchvision_outputs("v2", torchvision_v2["state_dict"], [path for _, _, path in photo_files])
+def reference_v2(tmp_path_factory, photo_files, torchvision_v2):
+    return reference_outputs(tmp_path_factory, "v2", photo_files, torchvision_v2)
 
 
 @pytest.fixture(scope="module")
