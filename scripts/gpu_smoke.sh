@@ -16,7 +16,8 @@
 #      also with --xla), beside NVIDIA's published figures.
 # SMOKE_IMAGE_SIZE, SMOKE_TRAIN_BATCH, SMOKE_EVAL_BATCH, SMOKE_BACKBONE, SMOKE_TRAIN_STEPS, SMOKE_NUM_VAL
 # (validation images), SMOKE_BENCHMARK_STEPS and SMOKE_WARMUP_STEPS (of the benchmarks) change the
-# sizes (the test suite runs this script on a CPU with a faked GPU, MRCNN_TF2_FAKE_GPU=1, at a tiny size).
+# sizes, and SMOKE_MODEL_FLAGS adds main.py flags to the trained models' (the test suite runs this script on
+# a CPU with a faked GPU, MRCNN_TF2_FAKE_GPU=1, at a tiny size with small heads).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,9 +37,9 @@ fail() { echo "gpu_smoke: FAILED: $*" >&2; exit 1; }
 [ -x "$PY" ] || fail "$PY is missing: run 'make setup GPU=1' first"
 rm -rf "$OUT"
 mkdir -p "$OUT"
-# Size flags of every main.py command here (word-split on purpose).
+# Size flags of the trained models (word-split on purpose); eval and infer read them from config.json.
 # shellcheck disable=SC2206
-SIZE=(--image_size $IMAGE_SIZE --backbone "$BACKBONE")
+SIZE=(--image_size $IMAGE_SIZE --backbone "$BACKBONE" ${SMOKE_MODEL_FLAGS:-})
 
 stage "1/7: the GPU"
 "$PY" - <<'EOF' || fail "TensorFlow sees no GPU (is the NVIDIA driver installed, and requirements-gpu.txt?)"
