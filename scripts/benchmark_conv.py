@@ -1,6 +1,6 @@
 """The convolution's three kernels at the model's costliest conv, and the kernel gradient as matrix products.
 
-    .venv/bin/python scripts/benchmark_conv.py [--shape B H W C] [--repeats 3]
+    .venv/bin/python scripts/benchmark_conv.py [--shape B H W C] [--repeats 3] [--dtype bfloat16]
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py
 
 Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RPN head's conv on P2 of an
@@ -9,7 +9,9 @@ Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RP
 (mrcnn_tf2.ops.fused.conv2d_3x3; the input gradient takes the same route with the flipped kernel), in
 milliseconds (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and checks that
 the two kernel gradients and the two forwards agree. TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, at
-import: run the script once per setting to compare them.
+import: run the script once per setting to compare them. `--dtype bfloat16` times the kernels in bfloat16, as
+`--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it beside the float32 default to see
+what a CPU's bfloat16 instructions give.
 """
 import argparse
 import os
@@ -22,6 +24,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, default=(2, 208, 336, 256), metavar=("B", "H", "W", "C"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args(argv)
     # After parsing, so that --help answers at once. Not main.py's start-up (import_tensorflow): that turns
     # oneDNN on, and this script compares TensorFlow's default with TF_ENABLE_ONEDNN_OPTS set by the caller.
@@ -34,9 +37,9 @@ def main(argv=None):
     fused_ops.load_library()  # fail here, clearly, when the library is not built
     batch, height, width, channels = args.shape
     kernel_shape = (3, 3, channels, channels)
-    x = tf.random.normal(args.shape)
-    out_grad = tf.random.normal(args.shape)
-    kernel = tf.random.normal(kernel_shape, stddev=0.05)
+    x = tf.cast(tf.random.normal(args.shape), args.dtype)
+    out_grad = tf.cast(tf.random.normal(args.shape), args.dtype)
+    kernel = tf.cast(tf.random.normal(kernel_shape, stddev=0.05), args.dtype)
     strides = [1, 1, 1, 1]
     kernels = {
         "forward": lambda: tf.nn.conv2d(x, kernel, 1, "SAME"),
@@ -45,19 +48,23 @@ def main(argv=None):
         "kernel gradient, TensorFlow": lambda: tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=kernel_shape, out_backprop=out_grad, strides=strides, padding="SAME"),
         "kernel gradient, matrix products": lambda: conv_ops.kernel_gradient(x, out_grad, kernel_shape, "SAME"),
-        "forward, Winograd (fused ops)": lambda: fused_ops.conv2d_3x3(x, kernel),
     }
+    if args.dtype == "float32":
+        kernels["forward, Winograd (fused ops)"] = lambda: fused_ops.conv2d_3x3(x, kernel)
     kernels = {name: tf.function(fn) for name, fn in kernels.items()}
-    ours = kernels["kernel gradient, matrix products"]().numpy()
-    theirs = kernels["kernel gradient, TensorFlow"]().numpy()
-    error = np.abs(ours - theirs).max() / np.abs(theirs).max()
-    direct = kernels["forward"]().numpy()
-    winograd_error = np.abs(kernels["forward, Winograd (fused ops)"]().numpy() - direct).max() / np.abs(direct).max()
+
+    def relative_error(name, reference):
+        found, expected = (tf.cast(kernels[key](), tf.float32).numpy() for key in (name, reference))
+        return np.abs(found - expected).max() / np.abs(expected).max()
+
+    gradient_error = relative_error("kernel gradient, matrix products", "kernel gradient, TensorFlow")
+    agreement = f"kernel gradients differ by {gradient_error:.1e} of the largest"
+    if args.dtype == "float32":
+        agreement += f", forwards by {relative_error('forward, Winograd (fused ops)', 'forward'):.1e}"
     gflop = 2.0 * batch * height * width * 9 * channels * channels / 1e9
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
-    print(f"3x3 conv {channels}->{channels} on [{batch}, {height}, {width}, {channels}]: {gflop:.1f} GFLOP per kernel, "
-          f"TF_ENABLE_ONEDNN_OPTS={onednn}; kernel gradients differ by {error:.1e} of the largest, "
-          f"forwards by {winograd_error:.1e}")
+    print(f"3x3 conv {channels}->{channels} on [{batch}, {height}, {width}, {channels}] in {args.dtype}: {gflop:.1f} "
+          f"GFLOP per kernel, TF_ENABLE_ONEDNN_OPTS={onednn}; {agreement}")
     for name, fn in kernels.items():
         fn().numpy()
         times = []

@@ -200,3 +200,19 @@ def test_a_batch_of_one_takes_the_onednn_route_in_float32_and_the_direct_conv_in
             assert route_op in types, types
         else:
             assert route_op not in types and types.count("Conv2D") == 1, types
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_conv_benchmark_times_each_kernel_in_its_dtype(dtype, capsys):
+    from scripts import benchmark_conv
+
+    benchmark_conv.main(["--shape", "1", "8", "12", "16", "--repeats", "1", "--dtype", dtype])
+    lines = capsys.readouterr().out.splitlines()
+    assert f"[1, 8, 12, 16] in {dtype}:" in lines[0] and "kernel gradients differ by" in lines[0], lines[0]
+    # The gradients agree to the dtype's rounding: bfloat16 keeps 8 bits of mantissa.
+    error = float(lines[0].split("kernel gradients differ by ")[1].split()[0])
+    assert error <= (1e-5 if dtype == "float32" else 2e-2), lines[0]
+    timed = [line.split("  ")[1].strip() for line in lines[1:]]
+    expected = ["forward", "input gradient", "kernel gradient, TensorFlow", "kernel gradient, matrix products"]
+    assert timed == expected + (["forward, Winograd (fused ops)"] if dtype == "float32" else []), lines
+    assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
