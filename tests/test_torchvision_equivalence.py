@@ -68,7 +68,7 @@ def torchvision_outputs(version, state_dict_path, photo_paths):
 
 
 # The photos, torchvision's outputs and the conversions are made once for both workers and both runs of
-# `make test` (conftest.built_once), so that the tests spread over the workers.
+# `make test` (support.built_once), so that the tests spread over the workers.
 @pytest.fixture(scope="module")
 def photo_files(tmp_path_factory):
     """[(h, w, path of a JPEG photo)]; both sides read them back with PIL."""
