@@ -211,11 +211,12 @@ def test_benchmark_prints_throughput_and_latency_percentiles(tmp_path, shapes_re
 # in test_resnet50_trains_from_scratch_at_the_defaults, and test_backbone.py builds every depth.
 @pytest.mark.parametrize("backbone", ["resnet18", "resnet101"])
 def test_benchmark_trains_from_scratch_at_the_defaults_at_a_constant_rate(tmp_path, shapes_records, backbone):
-    """Every backbone at the default model, schedule and learning rate, at 128x128 batch 2: the benchmark runs
-    all its steps at a tenth of the rate after the warm-up (0.1 x 1e-2 x 2 / 8), with finite losses.
+    """The shallowest and the deepest backbone at the default model, schedule and learning rate, at 128x128
+    batch 2: the benchmark runs all its steps at a tenth of the rate after the warm-up (0.1 x 1e-2 x 2 / 8), with
+    finite losses.
 
     In a process of its own: a full-width model trained here would keep a GB or more of this worker's memory to
-    the end of the run (TensorFlow does not give all of it back), and four of them could exhaust the machine."""
+    the end of the run (TensorFlow does not give all of it back), and several of them could exhaust the machine."""
     result = subprocess.run(
         main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), "--backbone",
                 backbone, "--image_size", "128", "128", "--train_batch_size", "2", "--seed", "1", "--benchmark",
