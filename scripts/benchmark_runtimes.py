@@ -55,7 +55,7 @@ def main(argv=None):
               infer.photos_from_records(config.data.resolved_validation_pattern(), args.images))
     preprocessor = Preprocessor(config.data)
     batches = [predictor.preprocess(photo, preprocessor) for photo in photos]
-    backends = {"tensorflow": predictor.ModelBackend.from_checkpoint(config, announce=False)}
+    backends = {"tensorflow": predictor.ModelBackend.from_checkpoint(config)}
     for fmt, (name, _, _) in deploy.ARTEFACTS.items():
         if os.path.isfile(os.path.join(args.export_dir, name)):
             backends[fmt] = predictor.ExportedBackend(config, os.path.join(args.export_dir, name))

@@ -20,24 +20,79 @@ def float32_after():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("amp, amp_dtype, gpu, has_bfloat16, expected", [
-    (False, "auto", True, True, "float32"),
-    (False, "float16", False, True, "float32"),
-    (True, "auto", True, False, "mixed_float16"),
-    (True, "auto", False, True, "mixed_bfloat16"),
-    (True, "auto", False, None, "mixed_bfloat16"),
-    (True, "auto", False, False, "float32"),
-    (True, "float16", False, False, "mixed_float16"),
-    (True, "bfloat16", True, False, "mixed_bfloat16"),
-    (True, "bfloat16", False, False, "mixed_bfloat16"),
+# bfloat16's speed over float32's in a matrix product: the EPYC of docs/PERFORMANCE.md, the Xeon without AMX.
+FAST, SLOW = 1.74, 0.56
+
+
+@pytest.mark.parametrize("amp, amp_dtype, gpu, has_bfloat16, speedup, expected", [
+    (False, "auto", True, True, FAST, "float32"),
+    (False, "float16", False, True, FAST, "float32"),
+    (True, "auto", True, False, SLOW, "mixed_float16"),
+    (True, "auto", False, True, FAST, "mixed_bfloat16"),
+    (True, "auto", False, True, SLOW, "float32"),
+    (True, "auto", False, None, FAST, "mixed_bfloat16"),
+    (True, "auto", False, None, SLOW, "float32"),
+    (True, "auto", False, False, FAST, "float32"),
+    (True, "float16", False, False, SLOW, "mixed_float16"),
+    (True, "bfloat16", True, False, SLOW, "mixed_bfloat16"),
+    (True, "bfloat16", False, True, SLOW, "mixed_bfloat16"),
 ])
-def test_amp_dtype_picks_the_policy_by_device(monkeypatch, capsys, amp, amp_dtype, gpu, has_bfloat16, expected):
+def test_amp_dtype_picks_the_policy_by_device_and_speed(monkeypatch, capsys, amp, amp_dtype, gpu, has_bfloat16,
+                                                       speedup, expected):
     monkeypatch.setenv(devices.FAKE_GPU_ENV, "1" if gpu else "0")
     monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: has_bfloat16)
+    measured = []
+    monkeypatch.setattr(precision, "bfloat16_speedup", lambda: measured.append(speedup) or speedup)
     assert precision.set_precision(amp, amp_dtype) == expected
     assert keras.mixed_precision.global_policy().name == expected
-    # Only auto falls back to float32, and says so.
-    assert ("--amp is ignored" in capsys.readouterr().err) == (amp and expected == "float32")
+    # Only auto on a CPU measures, where it has (or may have) the instructions, and only auto falls back to
+    # float32, saying why.
+    assert len(measured) == (amp and amp_dtype == "auto" and not gpu and has_bfloat16 is not False)
+    err = capsys.readouterr().err
+    assert ("--amp is ignored" in err) == (amp and expected == "float32")
+    if measured and expected == "float32":
+        assert f"bfloat16 at {SLOW:.2f}x its float32 speed" in err
+    if has_bfloat16 is False and expected == "float32":
+        assert "no bfloat16 instructions" in err
+
+
+class FakeWorld:
+    """A rank of a job whose chief decided `decision` (`World.broadcast_object` sends rank 0's object)."""
+
+    def __init__(self, rank, decision):
+        self.rank, self.is_chief, self.decision = rank, rank == 0, decision
+
+    def broadcast_object(self, obj):
+        assert (obj is None) == (not self.is_chief)  # only the chief measures
+        return self.decision
+
+
+@pytest.mark.parametrize("decision, expected", [(("bfloat16", None), "mixed_bfloat16"),
+                                                ((None, "rank 0 measured 0.56x"), "float32")])
+def test_rank_0_decides_amps_dtype_for_every_rank(monkeypatch, capsys, decision, expected):
+    monkeypatch.setenv(devices.FAKE_GPU_ENV, "0")
+    monkeypatch.setattr(precision, "bfloat16_speedup", lambda: pytest.fail("only rank 0 measures"))
+    assert precision.set_precision(True, "auto", FakeWorld(1, decision)) == expected
+    assert capsys.readouterr().err == ""  # rank 0 warns, once for the job
+    monkeypatch.setattr(precision, "bfloat16_speedup", lambda: FAST)
+    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: True)
+    assert precision.set_precision(True, "auto", FakeWorld(0, decision)) == expected
+
+
+def test_bfloat16_speedup_is_float32s_best_time_over_bfloat16s(monkeypatch):
+    """Timed on a fake clock that each product advances: the first of each dtype is slow (oneDNN compiles its
+    kernel then), float32's later products take 3 ticks or 5, bfloat16's 2."""
+    clock = [0.0]
+    durations = {tf.float32: [100.0, 5.0, 3.0, 5.0], tf.bfloat16: [100.0, 2.0, 2.0, 2.0]}
+
+    def matmul(a, b):
+        clock[0] += durations[a.dtype].pop(0)
+        return a
+
+    monkeypatch.setattr(precision.tf.linalg, "matmul", matmul)
+    monkeypatch.setattr(precision, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    assert precision.bfloat16_speedup(size=8, rounds=4) == 1.5
+    assert not any(durations.values())  # `rounds` products of each
 
 
 def test_fake_gpu_env_is_checked(monkeypatch):

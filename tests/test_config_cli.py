@@ -570,7 +570,7 @@ def test_a_python_without_tensorflow_gets_one_line_naming_the_fix(tmp_path):
 
 @pytest.mark.parametrize("policy, amp, loss_scaled, line", [
     ("float32", False, False, "precision float32"),
-    ("float32", True, False, "precision float32 (--amp fell back: this CPU has no bfloat16 instructions)"),
+    ("float32", True, False, "precision float32 (--amp fell back: this CPU computes bfloat16 no faster)"),
     ("mixed_float16", True, True, "precision mixed_float16: float16 compute, float32 variables; dynamic loss scaling"),
     ("mixed_bfloat16", True, False, "precision mixed_bfloat16: bfloat16 compute, float32 variables"),
 ])

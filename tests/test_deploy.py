@@ -138,6 +138,25 @@ def test_an_image_without_detections_gives_none_in_every_runtime(model_dir):
         assert not outputs["detection_scores"].any() and not outputs["detection_classes"].any(), fmt
 
 
+@pytest.mark.parametrize("a_pass_fails", [False, True])
+def test_onnx_is_converted_without_tf2onnxs_copies_and_with_them_if_a_pass_fails(monkeypatch, a_pass_fails):
+    import tf2onnx
+
+    variable = tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS
+    monkeypatch.setenv(variable, "mine")
+    seen = []
+
+    def from_function(function, **kwargs):
+        seen.append((os.environ[variable], kwargs["output_path"]))
+        if a_pass_fails and len(seen) == 1:
+            raise ValueError("a pass failed")
+
+    monkeypatch.setattr(tf2onnx.convert, "from_function", from_function)
+    deploy._to_onnx(tf.function(lambda: 0, input_signature=[]), "model.onnx")
+    assert seen == [("FALSE", "model.onnx")] + ([("mine", "model.onnx")] if a_pass_fails else [])
+    assert os.environ[variable] == "mine"
+
+
 def test_a_format_whose_extra_is_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
     real_import = deploy.importlib.import_module
 

@@ -313,20 +313,6 @@ def test_bfloat16_instructions_are_read_from_cpuinfo(tmp_path, flags, expected):
     assert precision.cpu_has_bfloat16(str(tmp_path / "missing")) is None
 
 
-@pytest.mark.parametrize("has_bfloat16, expected", [(True, "mixed_bfloat16"), (None, "mixed_bfloat16"),
-                                                    (False, "float32")])
-def test_amp_on_cpu_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch, capsys, has_bfloat16, expected):
-    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: has_bfloat16)
-    try:
-        assert precision.set_precision(True) == expected
-        assert keras.mixed_precision.global_policy().name == expected
-        warned = "--amp is ignored" in capsys.readouterr().err
-        assert warned == (has_bfloat16 is False)
-        assert precision.set_precision(False) == "float32"
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
 def from_scratch_losses(tmp_path, data_dir, *overrides):
     """loss_total of each of 20 steps of ResNet-50 trained from scratch at the default schedule and learning
     rate, at 256x256, batch 2, with the warm-up shortened to 6 steps (0.3 epochs of 20 steps, no floor)."""
@@ -352,7 +338,7 @@ def test_clip_grad_norm_scales_the_unscaled_update_to_the_norm(monkeypatch, poli
     """SGD's first update is -lr * g: clipped to c, it must be -lr * g * c / |g|, whatever the loss scale
     (under mixed_float16 the LossScaleOptimizer's gradients are 2**15 times larger until it unscales them).
     A large rate makes the updates large against the float32 rounding of the weights they are read from."""
-    def set_policy(amp, amp_dtype="auto"):
+    def set_policy(amp, amp_dtype="auto", world=None):
         keras.mixed_precision.set_global_policy(policy)
         return policy
 

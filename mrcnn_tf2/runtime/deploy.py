@@ -93,6 +93,37 @@ def detect_function(model, fused_roi_align=False):
     return detect
 
 
+def _to_onnx(function, path):
+    """tf2onnx's conversion of `function` to `path`, first without its safety copies: it copies the whole graph
+    before each of its optimizer passes, to keep the graph as it was if a pass fails, which was 10 s of the
+    33 s of the test model's export. If a pass fails without them, the conversion runs again with them."""
+    import tf2onnx
+
+    def run():
+        tf2onnx.convert.from_function(function, input_signature=function.input_signature, opset=ONNX_OPSET,
+                                      output_path=path)
+
+    try:
+        with _environment(tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS, "FALSE"):
+            run()
+    except Exception:  # a pass failed: again as tf2onnx would run it by itself, skipping a failing pass
+        run()
+
+
+@contextlib.contextmanager
+def _environment(name, value):
+    """os.environ[name] = value inside the block, restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
+
+
 def convert(fmt, function, path, calibration=None):
     """Writes `function` (from `detect_function`) as the artefact of `fmt` at `path`.
 
@@ -101,10 +132,7 @@ def convert(fmt, function, path, calibration=None):
     the convolutions; the rest stays float32).
     """
     if fmt == "onnx":
-        import tf2onnx
-
-        tf2onnx.convert.from_function(function, input_signature=function.input_signature, opset=ONNX_OPSET,
-                                      output_path=path)
+        _to_onnx(function, path)
     elif fmt in ("tflite", "tflite_fp16"):
         converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()])
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # LiteRT runs no Flex ops

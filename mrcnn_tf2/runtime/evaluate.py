@@ -214,7 +214,7 @@ def run(config, world=SINGLE_PROCESS):
         return _fail(f"--eval_file {eval_file} does not exist.", world)
     total = time.perf_counter()
     try:
-        backend = open_backend(config, announce=world.is_chief)
+        backend = open_backend(config, world)
     except ValueError as err:
         return _fail(str(err), world)
     loaded = backend.loaded  # None for an exported artefact

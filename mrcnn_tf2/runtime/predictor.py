@@ -29,6 +29,7 @@ from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.runtime import deploy
+from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 
 # One traced predict function per model, so that repeated evaluations during training trace once.
@@ -125,14 +126,14 @@ class LoadedModel:
     ops: OpChoice  # the ops it was built with; `ops.mask_encoder` encodes its masks as COCO RLE
 
 
-def load_model(config, require_checkpoint=True, export=False, announce=True):
+def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
     Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
     trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses (with
     data.pad_to_multiple, on one blank image of 2**max_level pixels a side).
-    Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`)
-    when `announce` (False on the ranks other than 0 of a job).
+    Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`) on
+    rank 0 of `world` (runtime.distributed.World: every rank of a job loads the model).
 
     Args:
       config: the run's Config (model, data.image_size, eval.eval_batch_size, runtime.model_dir, amp).
@@ -150,10 +151,10 @@ def load_model(config, require_checkpoint=True, export=False, announce=True):
     checkpoint = tf.train.latest_checkpoint(model_dir)
     if checkpoint is None and require_checkpoint:
         raise ValueError(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
-    policy = set_precision(config.runtime.amp, config.runtime.amp_dtype)
+    policy = set_precision(config.runtime.amp, config.runtime.amp_dtype, world)
     model = build_model(config, export=export)
     ops = choose_ops(config, export=export)
-    if announce:
+    if world.is_chief:
         print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
         print(f"[model] {ops.describe()}", flush=True)
     height, width = config.data.image_size
@@ -304,9 +305,9 @@ class ModelBackend:
         self.loaded = None  # the LoadedModel, when made by `from_checkpoint`
 
     @classmethod
-    def from_checkpoint(cls, config, announce=True):
-        """The newest checkpoint of config.runtime.model_dir (`load_model`)."""
-        loaded = load_model(config, announce=announce)
+    def from_checkpoint(cls, config, world=SINGLE_PROCESS):
+        """The newest checkpoint of config.runtime.model_dir (`load_model`, on each rank of `world`)."""
+        loaded = load_model(config, world=world)
         backend = cls(loaded.model, config, loaded.ops.mask_encoder,
                       f"checkpoint {loaded.checkpoint}, step {loaded.step}")
         backend.loaded = loaded
@@ -350,11 +351,11 @@ class ExportedBackend:
         return {**outputs, "image_info": image_info, "source_ids": np.asarray(batch["source_ids"])}
 
 
-def open_backend(config, announce=True):
-    """config.infer.exported's backend, else the newest checkpoint's (`load_model`, which prints what it built
-    when `announce`). Raises ValueError (ConfigError) naming the file."""
+def open_backend(config, world=SINGLE_PROCESS):
+    """config.infer.exported's backend, else the newest checkpoint's (`load_model`, on each rank of `world`).
+    Raises ValueError (ConfigError) naming the file."""
     exported = config.infer.exported
-    return ModelBackend.from_checkpoint(config, announce) if exported is None else ExportedBackend(config, exported)
+    return ModelBackend.from_checkpoint(config, world) if exported is None else ExportedBackend(config, exported)
 
 
 class Predictor:

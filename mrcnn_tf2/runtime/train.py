@@ -72,7 +72,7 @@ class Trainer:
         train, runtime = config.train, config.runtime
         if train.seed is not None:
             keras.utils.set_random_seed(train.seed)
-        self.policy = set_precision(runtime.amp, runtime.amp_dtype)
+        self.policy = set_precision(runtime.amp, runtime.amp_dtype, world)
         self.world = world
         self.num_workers, self.worker_index = world.size, world.rank
         # Opened before anything is built or read, so that a wrong path fails at once.
