@@ -20,6 +20,15 @@ def float32_after():
     keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.parametrize("flags, expected", [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                             ("avx2 amx_bf16 amx_tile", True)])
+def test_bfloat16_instructions_are_read_from_cpuinfo(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert precision.cpu_has_bfloat16(str(cpuinfo)) is expected
+    assert precision.cpu_has_bfloat16(str(tmp_path / "missing")) is None
+
+
 # bfloat16's speed over float32's in a matrix product: the EPYC of docs/PERFORMANCE.md, the Xeon without AMX.
 FAST, SLOW = 1.74, 0.56
 

@@ -17,7 +17,6 @@ import main
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.model.factory import choose_ops
-from mrcnn_tf2.runtime import precision
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
@@ -302,15 +301,6 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     tags = {value.tag for path in tf.io.gfile.glob(str(tmp_path / "tb" / "*"))
             for event in tf.compat.v1.train.summary_iterator(path) for value in event.summary.value}
     assert {"bbox/AP", "segm/AP", "loss_total"} <= tags
-
-
-@pytest.mark.parametrize("flags, expected", [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
-                                             ("avx2 amx_bf16 amx_tile", True)])
-def test_bfloat16_instructions_are_read_from_cpuinfo(tmp_path, flags, expected):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    assert precision.cpu_has_bfloat16(str(cpuinfo)) is expected
-    assert precision.cpu_has_bfloat16(str(tmp_path / "missing")) is None
 
 
 def from_scratch_losses(tmp_path, data_dir, *overrides):
