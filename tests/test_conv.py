@@ -209,9 +209,11 @@ def test_the_conv_benchmark_times_each_kernel_in_its_dtype(dtype, capsys):
     benchmark_conv.main(["--shape", "1", "8", "12", "16", "--repeats", "1", "--dtype", dtype])
     lines = capsys.readouterr().out.splitlines()
     assert f"[1, 8, 12, 16] in {dtype}:" in lines[0] and "kernel gradients differ by" in lines[0], lines[0]
-    # The gradients agree to the dtype's rounding: bfloat16 keeps 8 bits of mantissa.
+    # The gradients agree to the dtype's rounding. bfloat16 keeps 8 bits of mantissa, and with oneDNN off
+    # TensorFlow's own kernel sums the 96 products of each tap in bfloat16: these inputs differ by 1.7e-2 there
+    # (random ones reached 2.2e-2), by 0 with oneDNN on; a wrong gradient differs by the gradient's own size.
     error = float(lines[0].split("kernel gradients differ by ")[1].split()[0])
-    assert error <= (1e-5 if dtype == "float32" else 2e-2), lines[0]
+    assert error <= (1e-5 if dtype == "float32" else 5e-2), lines[0]
     timed = [line.split("  ")[1].strip() for line in lines[1:]]
     expected = ["forward", "input gradient", "kernel gradient, TensorFlow", "kernel gradient, matrix products"]
     assert timed == expected + (["forward, Winograd (fused ops)"] if dtype == "float32" else []), lines
