@@ -42,6 +42,22 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$VENV/bin/mrcnn-tf2" 
   "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
+# The test-only dependencies (requirements-test.txt: torch and torchvision, about 5.5 GB with their CUDA
+# libraries) and the package's optional deployment extras (pyproject.toml), which the tests exercise.
+# SETUP_TEST_DEPS=0 skips them: training, evaluation and the demo never import them. pip unpacks them in the
+# background while the native parts below compile (a minute of the set-up saved): the two share no package, and
+# requirements.txt's setuptools already satisfies torch, so nothing the Horovod build imports changes under it.
+test_deps_pid=
+if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
+  test_deps_want=$(cat requirements-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$VENV/.requirements-test.sha256" 2>/dev/null)" != "$test_deps_want" ]; then
+    echo "[setup] installing requirements-test.txt and the extras onnx, tflite, openvino into $VENV"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements-test.txt &
+    test_deps_pid=$!
+    # A failed build must not leave pip writing into the venv after the set-up has exited.
+    trap '[ -z "$test_deps_pid" ] || kill "$test_deps_pid" 2>/dev/null || true' EXIT
+  fi
+fi
 # Fused C++ ops (ops/build/libmrcnn_ops.so); ops/build.sh keeps its own stamp of sources + TF version.
 bash ops/build.sh "$VENV/bin/python"
 # Horovod from its sdist with the project's patch: Gloo (horovodrun --gloo) and, where Open MPI is installed,
@@ -70,18 +86,11 @@ if [ "${SETUP_HOROVOD:-1}" != 0 ]; then
   fi
   bash scripts/build_horovod.sh "$VENV/bin/python"
 fi
-# The test-only dependencies (requirements-test.txt: torch and torchvision, about 5.5 GB with their CUDA
-# libraries) and the package's optional deployment extras (pyproject.toml), which the tests exercise.
-# SETUP_TEST_DEPS=0 skips them: training, evaluation and the demo never import them.
-if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
-  stamp="$VENV/.requirements-test.sha256"
-  want=$(cat requirements-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[setup] installing requirements-test.txt and the extras onnx, tflite, openvino into $VENV"
-    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements-test.txt
-    # Their dependencies are new packages only: pip keeps the installed pins, which satisfy them.
-    "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-build-isolation -e ".[onnx,tflite,openvino]"
-    echo "$want" > "$stamp"
-  fi
+if [ -n "$test_deps_pid" ]; then
+  wait "$test_deps_pid" || { echo "[setup] installing requirements-test.txt failed (above)" >&2; exit 1; }
+  test_deps_pid=
+  # Their dependencies are new packages only: pip keeps the installed pins, which satisfy them.
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-build-isolation -e ".[onnx,tflite,openvino]"
+  echo "$test_deps_want" > "$VENV/.requirements-test.sha256"
 fi
 echo "[setup] ready in ${SECONDS} s: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"
