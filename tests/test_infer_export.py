@@ -422,20 +422,6 @@ def test_with_batches_padded_to_their_own_size_a_photos_detections_do_not_depend
         np.testing.assert_allclose(mine["bbox"] + [mine["score"]], theirs["bbox"] + [theirs["score"]], atol=1e-4)
 
 
-def test_with_batches_padded_to_their_own_size_every_batch_runs_the_trace_that_built_the_model(model_dir):
-    # The model is built by the trace of unknown batch size, height and width: batches of other sizes and shapes
-    # trace nothing more (a build from a concrete blank batch left the first real batch to trace again).
-    loaded = load_model(config_for("infer", *OWN_SIZE_FLAGS, "--model_dir", model_dir, "--eval_batch_size", "3"))
-    function = predict_function(loaded.model)
-    built = function.experimental_get_tracing_count()
-    for batch_size, height, width in ((1, 96, 128), (3, 128, 96), (2, 64, 64)):
-        outputs = function({"images": tf.zeros([batch_size, height, width, 3]),
-                            "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size),
-                            "source_ids": tf.range(batch_size, dtype=tf.int64)})
-        assert outputs["detection_boxes"].shape[0] == batch_size
-    assert function.experimental_get_tracing_count() == built
-
-
 @pytest.mark.timeout(300)  # exports and loads a SavedModel
 def test_serving_bytes_runs_each_image_alone_when_batches_pad_to_their_own_size(tmp_path, model_dir, mixed_photos):
     export_dir = str(tmp_path / "saved_model")

@@ -129,9 +129,9 @@ class LoadedModel:
 def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
-    Only the model is read (training checkpoints also hold the optimizer). The variables are built by the
-    trace of `predict_function` that evaluation then reuses: on a blank batch of eval.eval_batch_size, or with
-    data.pad_to_multiple for batches of any size, height and width.
+    Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
+    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses (with
+    data.pad_to_multiple, on one blank image of 2**max_level pixels a side).
     Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`) on
     rank 0 of `world` (runtime.distributed.World: every rank of a job loads the model).
 
@@ -157,28 +157,20 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
     if world.is_chief:
         print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
         print(f"[model] {ops.describe()}", flush=True)
-    function = predict_function(model, config.runtime.eagerly)
-    if config.data.pad_to_multiple is not None and not config.runtime.eagerly:
-        # Batches padded to their own size vary in size and shape: the variables are built by the trace of unknown
-        # batch size, height and width that every batch then runs. From a concrete blank batch, the first real
-        # batch would trace again, to the same unknown shape (reduce_retracing).
-        function.get_concrete_function({"images": tf.TensorSpec([None, None, None, 3], tf.float32),
-                                        "image_info": tf.TensorSpec([None, 5], tf.float32),
-                                        "source_ids": tf.TensorSpec([None], tf.int64)})
-    else:
-        # A blank batch shaped like the evaluation batches builds the variables through the same trace that
-        # evaluation then reuses (an eager build would cost as much as that trace again); eagerly, one image of
-        # the smallest size whose FPN levels all exist.
-        height, width = config.data.image_size
-        batch_size = config.eval.eval_batch_size
-        if config.data.pad_to_multiple is not None:
-            height = width = 2 ** config.model.anchors.max_level
-            batch_size = 1
-        function({
-            "images": tf.zeros([batch_size, height, width, 3]),
-            "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
-            "source_ids": tf.zeros([batch_size], tf.int64),
-        })
+    height, width = config.data.image_size
+    batch_size = config.eval.eval_batch_size
+    if config.data.pad_to_multiple is not None:
+        # Batches padded to their own size vary in shape anyway: the smallest input whose FPN levels all exist
+        # builds the variables, instead of batch_size images of the whole canvas.
+        height = width = 2 ** config.model.anchors.max_level
+        batch_size = 1
+    # A blank batch shaped like the evaluation batches builds the variables through the same trace that
+    # evaluation then reuses (an eager build would cost as much as that trace again).
+    predict_function(model, config.runtime.eagerly)({
+        "images": tf.zeros([batch_size, height, width, 3]),
+        "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
+        "source_ids": tf.zeros([batch_size], tf.int64),
+    })
     if checkpoint is None:
         return LoadedModel(model, None, 0, policy, ops)
     step = tf.Variable(0, dtype=tf.int64, trainable=False)
