@@ -45,8 +45,8 @@ fi
 # The test-only dependencies (requirements-test.txt: torch and torchvision, about 5.5 GB with their CUDA
 # libraries) and the package's optional deployment extras (pyproject.toml), which the tests exercise.
 # SETUP_TEST_DEPS=0 skips them: training, evaluation and the demo never import them. pip unpacks them in the
-# background while the native parts below compile (a minute of the set-up saved): the two share no package, and
-# requirements.txt's setuptools already satisfies torch, so nothing the Horovod build imports changes under it.
+# background while the native parts below compile: the two share no package, and requirements.txt's setuptools
+# already satisfies torch, so nothing the Horovod build imports changes under it.
 test_deps_pid=
 if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
   test_deps_want=$(cat requirements-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
