@@ -48,9 +48,10 @@ fi
 # background while the native parts below compile: the two share no package, and requirements.txt's setuptools
 # already satisfies torch, so nothing the Horovod build imports changes under it.
 test_deps_pid=
+test_deps_stamp="$VENV/.requirements-test.sha256"
 if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
   test_deps_want=$(cat requirements-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
-  if [ "$(cat "$VENV/.requirements-test.sha256" 2>/dev/null)" != "$test_deps_want" ]; then
+  if [ "$(cat "$test_deps_stamp" 2>/dev/null)" != "$test_deps_want" ]; then
     echo "[setup] installing requirements-test.txt and the extras onnx, tflite, openvino into $VENV"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements-test.txt &
     test_deps_pid=$!
@@ -91,6 +92,6 @@ if [ -n "$test_deps_pid" ]; then
   test_deps_pid=
   # Their dependencies are new packages only: pip keeps the installed pins, which satisfy them.
   "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-build-isolation -e ".[onnx,tflite,openvino]"
-  echo "$test_deps_want" > "$VENV/.requirements-test.sha256"
+  echo "$test_deps_want" > "$test_deps_stamp"
 fi
 echo "[setup] ready in ${SECONDS} s: $VENV ($("$VENV/bin/python" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null))"
