@@ -12,7 +12,11 @@
 //
 // Glossary: B batch, H x W image, C channels, T = B * ceil(H / 4) * ceil(W / 4) tiles, in the order
 // (b, tile row, tile column); tile (ty, tx) covers output rows 4ty..4ty+3 and columns 4tx..4tx+3, and
-// reads input rows 4ty-1..4ty+4 (zero outside the image: the 'SAME' padding of one pixel).
+// reads input rows 4ty-1..4ty+4 (zero outside the image: the 'SAME' padding of one pixel). A line is the
+// ceil(W / 4) tiles of one tile row of one image, B * ceil(H / 4) lines in all. The ops take a band of
+// consecutive lines (attrs first_line, lines), so that a large conv's tiles need not exist all at once: its
+// output is written band by band into one buffer (MrcnnWinogradOutput makes it with the first band's blocks,
+// MrcnnWinogradOutputInto adds each later band's in place).
 
 #include <algorithm>
 #include <cstring>
@@ -31,35 +35,46 @@ constexpr int kBlock = 4;            // output block side
 constexpr int kPoints = kTile * kTile;
 constexpr int kChannelBlock = 64;    // channels transformed together: the tile's buffers stay in L1
 
-// [B, H, W, C] -> [36, T, C]: the shape of a transform from pixels to tiles.
+// [B, H, W, C] -> [36, T_band, C]: the shape of a transform from pixels to a band's tiles.
 Status TilesShape(shape_inference::InferenceContext* c) {
   shape_inference::ShapeHandle input;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
+  int64_t first_line = 0, lines = 0;
+  TF_RETURN_IF_ERROR(c->GetAttr("first_line", &first_line));
+  TF_RETURN_IF_ERROR(c->GetAttr("lines", &lines));
+  const auto known = [&](int i) { return c->ValueKnown(c->Dim(input, i)); };
+  const auto tiles_across = [&](int i) { return (c->Value(c->Dim(input, i)) + kBlock - 1) / kBlock; };
   shape_inference::DimensionHandle tiles = c->UnknownDim();
-  if (c->ValueKnown(c->Dim(input, 0)) && c->ValueKnown(c->Dim(input, 1)) && c->ValueKnown(c->Dim(input, 2))) {
-    tiles = c->MakeDim(c->Value(c->Dim(input, 0)) * ((c->Value(c->Dim(input, 1)) + kBlock - 1) / kBlock) *
-                       ((c->Value(c->Dim(input, 2)) + kBlock - 1) / kBlock));
+  if (lines >= 0 && known(2)) {
+    tiles = c->MakeDim(lines * tiles_across(2));
+  } else if (known(0) && known(1) && known(2)) {
+    tiles = c->MakeDim((c->Value(c->Dim(input, 0)) * tiles_across(1) - first_line) * tiles_across(2));
   }
   c->set_output(0, c->MakeShape({kPoints, tiles, c->Dim(input, 3)}));
   return Status();
 }
 
 REGISTER_OP("MrcnnWinogradInput")
-    .Input("input: float")   // [B, H, W, C]
-    .Output("tiles: float")  // [36, T, C]: V of every tile, point-major
+    .Input("input: float")              // [B, H, W, C]
+    .Attr("first_line: int >= 0 = 0")   // the band's first line of tiles
+    .Attr("lines: int >= -1 = -1")      // its lines; -1: to the last
+    .Output("tiles: float")             // [36, T_band, C]: V of the band's tiles, point-major
     .SetShapeFn(TilesShape);
 
 // The output transform's adjoint, for the kernel gradient: the gradient dM = A dY A^T of every tile's products
 // from the gradient dY of its 4x4 output block (zero past the image's edge).
 REGISTER_OP("MrcnnWinogradOutputAdjoint")
     .Input("output_grad: float")  // [B, H, W, C]
-    .Output("tiles: float")       // [36, T, C]
+    .Attr("first_line: int >= 0 = 0")
+    .Attr("lines: int >= -1 = -1")
+    .Output("tiles: float")       // [36, T_band, C]
     .SetShapeFn(TilesShape);
 
 REGISTER_OP("MrcnnWinogradOutput")
-    .Input("products: float")  // [36, T, C]: M of every tile
+    .Input("products: float")  // [36, T_band, C]: M of the band's tiles
     .Input("size: int32")      // [3]: B, H, W of the output
-    .Output("output: float")   // [B, H, W, C]
+    .Attr("first_line: int >= 0 = 0")
+    .Output("output: float")   // [B, H, W, C]: the band's 4x4 blocks, zeros outside the band
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle products, size;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &products));
@@ -68,6 +83,22 @@ REGISTER_OP("MrcnnWinogradOutput")
       shape_inference::ShapeHandle output;
       TF_RETURN_IF_ERROR(c->Concatenate(size, c->Vector(c->Dim(products, 2)), &output));
       c->set_output(0, output);
+      return Status();
+    });
+
+REGISTER_OP("MrcnnWinogradOutputInto")
+    .Input("base: float")      // [B, H, W, C]: the output with its earlier bands
+    .Input("products: float")  // [36, T_band, C]: M of the band's tiles
+    .Attr("first_line: int >= 0")
+    .Output("output: float")   // [B, H, W, C]: base with the band's 4x4 blocks written (in base's buffer if free)
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle base, products;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &base));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &products));
+      shape_inference::DimensionHandle channels;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(base, 3), c->Dim(products, 2), &channels));
+      TF_RETURN_IF_ERROR(c->ReplaceDim(base, 3, channels, &base));
+      c->set_output(0, base);
       return Status();
     });
 
@@ -157,30 +188,46 @@ MRCNN_INLINE void OutputRows(const float* __restrict__ x, int64_t x_step, float*
   }
 }
 
+// An image's grid of tiles, and the band of them an op computes: tiles [first, first + count) of the batch's.
 struct Grid {
-  int64_t batch, height, width, tile_rows, tile_cols;
-  int64_t tiles() const { return batch * tile_rows * tile_cols; }
+  int64_t batch, height, width, tile_rows, tile_cols, first, count;
+  int64_t lines() const { return batch * tile_rows; }
 };
 
 Grid MakeGrid(int64_t batch, int64_t height, int64_t width) {
-  return {batch, height, width, (height + kBlock - 1) / kBlock, (width + kBlock - 1) / kBlock};
+  const int64_t tile_rows = (height + kBlock - 1) / kBlock, tile_cols = (width + kBlock - 1) / kBlock;
+  return {batch, height, width, tile_rows, tile_cols, 0, batch * tile_rows * tile_cols};
+}
+
+// The band of `lines` lines from `first_line` (-1: to the last), or an error naming the op's input.
+Status SetBand(Grid* grid, int64_t first_line, int64_t lines) {
+  if (lines < 0) lines = grid->lines() - first_line;
+  if (first_line + lines > grid->lines() || lines < 0) {
+    return InvalidArgument("band of ", lines, " lines from line ", first_line, " is past the ", grid->lines(),
+                           " lines of tiles of a ", grid->batch, "x", grid->height, "x", grid->width, " input");
+  }
+  grid->first = first_line * grid->tile_cols;
+  grid->count = lines * grid->tile_cols;
+  return Status();
 }
 
 using Rows = void (*)(const float*, int64_t, float*, int64_t, int);
 
-// Tiles t in [begin, end) of `pixels` [B, H, W, C] into `tiles` [36, T, C]: each tile's side x side pixels
+// The band's tiles t in [begin, end) of `pixels` [B, H, W, C] into `tiles` [36, T_band, C] (tile grid.first + t
+// of the batch at row t): each tile's side x side pixels
 // from row 4 ty - margin and column 4 tx - margin (zero outside the image), transformed by kRows (6 x side)
 // down its columns and along its rows.
 template <int kSide, int kMargin, Rows kRows>
 MRCNN_INLINE void PixelsToTiles(const Grid& grid, int64_t channels, const float* pixels, float* tiles,
                                 bool streaming, int64_t begin, int64_t end) {
-  const int64_t point_stride = grid.tiles() * channels;  // from one point's [T, C] to the next
+  const int64_t point_stride = grid.count * channels;  // from one point's [T_band, C] to the next
   alignas(64) float d[kPoints][kChannelBlock];  // the tile's pixels, then its transform
   alignas(64) float rows[kTile * kSide][kChannelBlock];  // the transform of its columns
   for (int64_t t = begin; t < end; ++t) {
-    const int64_t b = t / (grid.tile_rows * grid.tile_cols);
-    const int64_t y0 = (t / grid.tile_cols) % grid.tile_rows * kBlock - kMargin;
-    const int64_t x0 = t % grid.tile_cols * kBlock - kMargin;
+    const int64_t g = grid.first + t;
+    const int64_t b = g / (grid.tile_rows * grid.tile_cols);
+    const int64_t y0 = (g / grid.tile_cols) % grid.tile_rows * kBlock - kMargin;
+    const int64_t x0 = g % grid.tile_cols * kBlock - kMargin;
     for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kChannelBlock, channels - c0));
       for (int i = 0; i < kSide; ++i) {
@@ -223,16 +270,18 @@ MRCNN_CLONES void AdjointTiles(const Grid& grid, int64_t channels, const float* 
   PixelsToTiles<kBlock, 0, AdjointRows>(grid, channels, pixels, tiles, streaming, begin, end);
 }
 
-// A^T M A of every tile's products M, into the output's 4x4 blocks (cut at the image's edge).
+// A^T M A of the band's tiles' products M (rows t in [begin, end)), into the output's 4x4 blocks (cut at the
+// image's edge).
 MRCNN_CLONES void OutputBlocks(const Grid& grid, int64_t channels, const float* products, float* output,
                                bool streaming, int64_t begin, int64_t end) {
-  const int64_t point_stride = grid.tiles() * channels;
+  const int64_t point_stride = grid.count * channels;
   alignas(64) float rows[kBlock * kTile][kChannelBlock];   // A^T M: [4][6]
   alignas(64) float block[kBlock * kBlock][kChannelBlock];  // A^T M A: [4][4]
   for (int64_t t = begin; t < end; ++t) {
-    const int64_t b = t / (grid.tile_rows * grid.tile_cols);
-    const int64_t y0 = (t / grid.tile_cols) % grid.tile_rows * kBlock;
-    const int64_t x0 = t % grid.tile_cols * kBlock;
+    const int64_t g = grid.first + t;
+    const int64_t b = g / (grid.tile_rows * grid.tile_cols);
+    const int64_t y0 = (g / grid.tile_cols) % grid.tile_rows * kBlock;
+    const int64_t x0 = g % grid.tile_cols * kBlock;
     for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kChannelBlock, channels - c0));
       // Down each column, rows[i][nu] = sum_xi A^T[i][xi] M[xi][nu]; then along each row,
@@ -260,27 +309,32 @@ class PixelsToTilesOp : public OpKernel {
  public:
   using Transform = void (*)(const Grid&, int64_t, const float*, float*, bool, int64_t, int64_t);
 
-  PixelsToTilesOp(OpKernelConstruction* context, Transform transform) : OpKernel(context), transform_(transform) {}
+  PixelsToTilesOp(OpKernelConstruction* context, Transform transform) : OpKernel(context), transform_(transform) {
+    OP_REQUIRES_OK(context, context->GetAttr("first_line", &first_line_));
+    OP_REQUIRES_OK(context, context->GetAttr("lines", &lines_));
+  }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& input = context->input(0);
     OP_REQUIRES(context, input.dims() == 4,
                 InvalidArgument("input must be [B, H, W, C], got ", input.shape().DebugString()));
-    const Grid grid = MakeGrid(input.dim_size(0), input.dim_size(1), input.dim_size(2));
+    Grid grid = MakeGrid(input.dim_size(0), input.dim_size(1), input.dim_size(2));
+    OP_REQUIRES_OK(context, SetBand(&grid, first_line_, lines_));
     const int64_t channels = input.dim_size(3);
     Tensor* tiles_tensor = nullptr;
-    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({kPoints, grid.tiles(), channels}),
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({kPoints, grid.count, channels}),
                                                      &tiles_tensor));
     const float* pixels = input.flat<float>().data();
     float* tiles = tiles_tensor->flat<float>().data();
     const bool streaming = CanStream(tiles, channels);
-    ParallelFor(context, grid.tiles(), kPoints * channels * 12, [&](int64_t begin, int64_t end) {
+    ParallelFor(context, grid.count, kPoints * channels * 12, [&](int64_t begin, int64_t end) {
       transform_(grid, channels, pixels, tiles, streaming, begin, end);
     });
   }
 
  private:
   const Transform transform_;
+  int64_t first_line_, lines_;
 };
 
 class WinogradInputOp : public PixelsToTilesOp {
@@ -293,39 +347,108 @@ class WinogradOutputAdjointOp : public PixelsToTilesOp {
   explicit WinogradOutputAdjointOp(OpKernelConstruction* context) : PixelsToTilesOp(context, AdjointTiles) {}
 };
 
-class WinogradOutputOp : public OpKernel {
+// MrcnnWinogradOutput and MrcnnWinogradOutputInto: the band's blocks into an output of `shape`, which
+// Output(context, shape) provides (a new tensor or the base's).
+class BandOutputOp : public OpKernel {
  public:
-  explicit WinogradOutputOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit BandOutputOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("first_line", &first_line_));
+  }
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& products_tensor = context->input(0);
-    const Tensor& size = context->input(1);
-    OP_REQUIRES(context, products_tensor.dims() == 3 && products_tensor.dim_size(0) == kPoints,
-                InvalidArgument("products must be [36, T, C], got ", products_tensor.shape().DebugString()));
-    OP_REQUIRES(context, size.dims() == 1 && size.dim_size(0) == 3,
-                InvalidArgument("size must be [3] (B, H, W), got ", size.shape().DebugString()));
-    const auto dims = size.vec<int32_t>();
-    OP_REQUIRES(context, dims(0) >= 0 && dims(1) >= 0 && dims(2) >= 0,
-                InvalidArgument("size must be >= 0, got ", dims(0), "x", dims(1), "x", dims(2)));
-    const Grid grid = MakeGrid(dims(0), dims(1), dims(2));
-    const int64_t channels = products_tensor.dim_size(2);
-    OP_REQUIRES(context, products_tensor.dim_size(1) == grid.tiles(),
-                InvalidArgument("products hold ", products_tensor.dim_size(1), " tiles; an output of ",
-                                dims(0), "x", dims(1), "x", dims(2), " has ", grid.tiles()));
-    Tensor* output_tensor = nullptr;
-    OP_REQUIRES_OK(context, context->allocate_output(
-                                0, TensorShape({grid.batch, grid.height, grid.width, channels}), &output_tensor));
+    const Tensor& products_tensor = context->input(products_index_);
+    TensorShape shape;
+    OP_REQUIRES_OK(context, OutputShape(context, &shape));
+    OP_REQUIRES(context, products_tensor.dims() == 3 && products_tensor.dim_size(0) == kPoints &&
+                             products_tensor.dim_size(2) == shape.dim_size(3),
+                InvalidArgument("products must be [36, T, C] for an output of ", shape.DebugString(), ", got ",
+                                products_tensor.shape().DebugString()));
+    Grid grid = MakeGrid(shape.dim_size(0), shape.dim_size(1), shape.dim_size(2));
+    const int64_t tiles = products_tensor.dim_size(1);
+    OP_REQUIRES(context, grid.tile_cols > 0 ? tiles % grid.tile_cols == 0 : tiles == 0,
+                InvalidArgument("products hold ", tiles, " tiles, not whole lines of the ", grid.tile_cols,
+                                " tiles across an output of ", shape.DebugString()));
+    OP_REQUIRES_OK(context, SetBand(&grid, first_line_, grid.tile_cols > 0 ? tiles / grid.tile_cols : 0));
+    float* output = nullptr;
+    OP_REQUIRES_OK(context, Output(context, shape, grid, &output));
     const float* products = products_tensor.flat<float>().data();
-    float* output = output_tensor->flat<float>().data();
+    const int64_t channels = shape.dim_size(3);
     const bool streaming = CanStream(output, channels);
-    ParallelFor(context, grid.tiles(), kPoints * channels * 8, [&](int64_t begin, int64_t end) {
+    ParallelFor(context, grid.count, kPoints * channels * 8, [&](int64_t begin, int64_t end) {
       OutputBlocks(grid, channels, products, output, streaming, begin, end);
     });
+  }
+
+ protected:
+  BandOutputOp(OpKernelConstruction* context, int products_index) : BandOutputOp(context) {
+    products_index_ = products_index;
+  }
+  virtual Status OutputShape(OpKernelContext* context, TensorShape* shape) = 0;
+  virtual Status Output(OpKernelContext* context, const TensorShape& shape, const Grid& grid, float** output) = 0;
+
+ private:
+  int64_t first_line_;
+  int products_index_ = 0;
+};
+
+class WinogradOutputOp : public BandOutputOp {
+ public:
+  explicit WinogradOutputOp(OpKernelConstruction* context) : BandOutputOp(context, 0) {}
+
+ protected:
+  Status OutputShape(OpKernelContext* context, TensorShape* shape) override {
+    const Tensor& size = context->input(1);
+    if (size.dims() != 1 || size.dim_size(0) != 3) {
+      return InvalidArgument("size must be [3] (B, H, W), got ", size.shape().DebugString());
+    }
+    const auto dims = size.vec<int32_t>();
+    if (dims(0) < 0 || dims(1) < 0 || dims(2) < 0) {
+      return InvalidArgument("size must be >= 0, got ", dims(0), "x", dims(1), "x", dims(2));
+    }
+    *shape = TensorShape({dims(0), dims(1), dims(2), context->input(0).dim_size(2)});
+    return Status();
+  }
+
+  Status Output(OpKernelContext* context, const TensorShape& shape, const Grid& grid, float** output) override {
+    Tensor* tensor = nullptr;
+    TF_RETURN_IF_ERROR(context->allocate_output(0, shape, &tensor));
+    *output = tensor->flat<float>().data();
+    if (grid.count < grid.lines() * grid.tile_cols) {  // a band of the whole: the rest are zeros, not garbage
+      std::fill_n(*output, tensor->NumElements(), 0.0f);
+    }
+    return Status();
+  }
+};
+
+class WinogradOutputIntoOp : public BandOutputOp {
+ public:
+  explicit WinogradOutputIntoOp(OpKernelConstruction* context) : BandOutputOp(context, 1) {}
+
+ protected:
+  Status OutputShape(OpKernelContext* context, TensorShape* shape) override {
+    const Tensor& base = context->input(0);
+    if (base.dims() != 4) return InvalidArgument("base must be [B, H, W, C], got ", base.shape().DebugString());
+    *shape = base.shape();
+    return Status();
+  }
+
+  // The earlier bands' blocks are base's: written in place when base's buffer is this op's alone (the
+  // previous band's output), else copied first.
+  Status Output(OpKernelContext* context, const TensorShape& shape, const Grid& grid, float** output) override {
+    const Tensor& base = context->input(0);
+    Tensor* tensor = nullptr;
+    TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({0}, 0, shape, &tensor));
+    *output = tensor->flat<float>().data();
+    if (*output != base.flat<float>().data()) {
+      std::memcpy(*output, base.flat<float>().data(), base.NumElements() * sizeof(float));
+    }
+    return Status();
   }
 };
 
 REGISTER_KERNEL_BUILDER(Name("MrcnnWinogradInput").Device(tensorflow::DEVICE_CPU), WinogradInputOp);
 REGISTER_KERNEL_BUILDER(Name("MrcnnWinogradOutput").Device(tensorflow::DEVICE_CPU), WinogradOutputOp);
+REGISTER_KERNEL_BUILDER(Name("MrcnnWinogradOutputInto").Device(tensorflow::DEVICE_CPU), WinogradOutputIntoOp);
 REGISTER_KERNEL_BUILDER(Name("MrcnnWinogradOutputAdjoint").Device(tensorflow::DEVICE_CPU),
                         WinogradOutputAdjointOp);
 

@@ -155,14 +155,26 @@ def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels):
 
 
 @pytest.mark.onednn
-def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
-    """A batch whose transformed tiles exceed the part size goes in nearly equal parts; same result."""
-    x = tf.constant(rng.normal(size=(5, 8, 8, 3)), tf.float32)
+def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
+    """A conv whose transformed tiles exceed the band size goes band by band of tile lines, each band after the
+    previous one's output (one band's tiles at a time), into one output; the same result as in one band."""
+    x = tf.constant(rng.normal(size=(3, 9, 8, 3)), tf.float32)  # 3 lines of tiles per image, 9 in all, 2 tiles each
     w = tf.constant(rng.normal(size=(3, 3, 3, 2)), tf.float32)
     whole = fused.conv2d_3x3(x, w).numpy()
-    monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 36 * 4 * 4 * 3 * 2)  # two images' tiles per part
-    split = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
-    assert sum(op.type == "MrcnnWinogradInput" for op in split.graph.get_operations()) == 3  # 2 + 2 + 1
+    monkeypatch.setattr(fused, "_WINOGRAD_BAND_BYTES", 36 * 4 * 2 * 3 * 2)  # two lines' tiles per band
+    assert fused._winograd_bands(x.shape[:3], 3) == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
+    banded = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
+    transforms = [op for op in banded.graph.get_operations() if op.type == "MrcnnWinogradInput"]
+    outputs = [op for op in banded.graph.get_operations() if op.type.startswith("MrcnnWinogradOutput")]
+    assert [op.type for op in outputs] == ["MrcnnWinogradOutput"] + ["MrcnnWinogradOutputInto"] * 4
+    assert [op.get_attr("first_line") for op in transforms] == [op.get_attr("first_line") for op in outputs] \
+        == [0, 2, 4, 6, 8]
+    assert [op.get_attr("lines") for op in transforms] == [2, 2, 2, 2, 1]
+    assert [op.control_inputs for op in transforms[1:]] == [[op] for op in outputs[:-1]]
+    assert [op.inputs[0].op for op in outputs[1:]] == outputs[:-1]  # one buffer, band after band
+    # Not bit for bit: oneDNN's matrix product between the transforms may block a band's fewer tiles
+    # differently (seen on an AVX2 CPU), which changes float32 rounding only.
+    np.testing.assert_allclose(banded(x, w).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
     # The kernel's transform waits for the input: in a backward pass, for the output gradient (the flipped
     # kernel exists from the start, and every conv's transform would be held until its gradient came).
     # (A function's own inputs take no control dependencies: the input here is an op's output, as in a model.)
@@ -171,20 +183,43 @@ def test_conv2d_3x3_in_parts_of_the_batch(rng, monkeypatch):
                            if op.type == "MatMul" and op.inputs[0].op.type == "Const"]
     # TensorFlow puts the control input on the product's constant (the ops after it carry it through their inputs).
     assert [op.type for op in kernel_transform.inputs[0].op.control_inputs] == ["Relu"]
-    # Not bit for bit: oneDNN's matrix product between the transforms may block a part's smaller batch
-    # differently (seen on an AVX2 CPU), which changes float32 rounding only.
-    np.testing.assert_allclose(split(x, w).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
-    out_grad = tf.constant(rng.normal(size=(5, 8, 8, 2)), tf.float32)
+
+    out_grad = tf.constant(rng.normal(size=(3, 9, 8, 2)), tf.float32)
     monkeypatch.undo()
-    whole = fused.conv2d_3x3_kernel_gradient(x, out_grad).numpy()
-    monkeypatch.setattr(fused, "_WINOGRAD_PART_BYTES", 4 * 36 * 4 * 4 * 3 * 2)  # the kernel gradient's quarter
-    split = tf.function(fused.conv2d_3x3_kernel_gradient).get_concrete_function(x, out_grad)
-    transforms = [op for op in split.graph.get_operations() if op.type == "MrcnnWinogradInput"]
-    assert len(transforms) == 3
-    # Each input transform waits for its part of the output gradient (not held from the forward pass on).
-    adjoints = [op for op in split.graph.get_operations() if op.type == "MrcnnWinogradOutputAdjoint"]
-    assert [op.control_inputs for op in transforms] == [[adjoint.inputs[0].op] for adjoint in adjoints]
-    np.testing.assert_allclose(split(x, out_grad).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    whole = fused.conv2d_3x3_kernel_gradient(x, tf.nn.relu(out_grad)).numpy()
+    monkeypatch.setattr(fused, "_WINOGRAD_BAND_BYTES", 36 * 4 * 2 * 3 * 4)  # four lines' tiles per band
+    banded = tf.function(lambda x, g: fused.conv2d_3x3_kernel_gradient(x, tf.nn.relu(g))).get_concrete_function(
+        x, out_grad)
+    ops = banded.graph.get_operations()
+    transforms = [op for op in ops if op.type == "MrcnnWinogradInput"]
+    adjoints = [op for op in ops if op.type == "MrcnnWinogradOutputAdjoint"]
+    assert [op.get_attr("lines") for op in transforms] == [op.get_attr("lines") for op in adjoints] == [3, 3, 3]
+    # The first band waits for the output gradient (the input's tiles are not held from the forward pass on),
+    # each later band for the sum of the bands before it.
+    relu = [op for op in ops if op.type == "Relu"]
+    sums = [op for op in ops if op.type == "AddV2"]
+    assert [op.control_inputs for op in transforms] == [relu, [transforms[0].outputs[0].consumers()[0]], sums[:1]]
+    # (The first adjoint reads the output gradient itself.)
+    assert [op.control_inputs for op in adjoints[1:]] == [op.control_inputs for op in transforms[1:]]
+    np.testing.assert_allclose(banded(x, out_grad).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+
+
+def test_winograd_outputs_write_their_band_and_keep_the_rest(library, rng):
+    """MrcnnWinogradOutput writes the 4x4 blocks of its band's tiles into zeros, MrcnnWinogradOutputInto into
+    base, and the other lines stay as they were (base is also the caller's here, so the op copies it rather
+    than writing in place, and the caller's base is unchanged)."""
+    products = tf.constant(rng.normal(size=[36, 2, 3]), tf.float32)  # one line of 2 tiles
+    size = tf.constant([2, 8, 6])  # 2 lines of tiles per image, 2 tiles across
+    # The band as line 1 (the first image's second tile row) of a whole output whose other tiles are zeros.
+    whole = library.mrcnn_winograd_output(tf.concat([tf.zeros([36, 2, 3]), products, tf.zeros([36, 4, 3])], 1),
+                                          size).numpy()
+    assert np.all(whole[0, 4:8] != 0) and not np.any(np.delete(whole, [4, 5, 6, 7], 1)) and not np.any(whole[1])
+    np.testing.assert_array_equal(library.mrcnn_winograd_output(products, size, first_line=1).numpy(), whole)
+    base = tf.fill([2, 8, 6, 3], 7.0)
+    want = np.full([2, 8, 6, 3], 7.0, np.float32)
+    want[0, 4:8] = whole[0, 4:8]
+    np.testing.assert_array_equal(library.mrcnn_winograd_output_into(base, products, first_line=1).numpy(), want)
+    np.testing.assert_array_equal(base.numpy(), 7.0)
 
 
 @pytest.mark.onednn
@@ -205,6 +240,19 @@ def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
     for name, got, want in zip(("output", "x", "kernel", "bias"), *results):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4 * np.abs(want).max(),
                                    err_msg=name)
+
+    def gradients(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = conv_ops.conv2d(x, w, route=conv_ops.WINOGRAD)
+        return tape.gradient(y, [x, w], output_gradients=tf.nn.relu(y))
+
+    # The input gradient starts once the kernel gradient is done, which frees the conv's input before the
+    # backward pass goes on (and keeps the two gradients' tiles from being made at once).
+    graph = tf.function(gradients).get_concrete_function(x, w).graph
+    (input_gradient_tiles,) = [op for op in graph.get_operations()
+                               if op.type == "MrcnnWinogradInput" and op.inputs[0].op.type == "Relu"]
+    assert [c.outputs[0].shape for c in input_gradient_tiles.control_inputs] == [w.shape]
 
 
 @pytest.mark.onednn  # conv_ops.conv2d's choice among its routes, oneDNN's among them
@@ -227,10 +275,14 @@ def test_conv2d_takes_winograd_only_where_it_pays(monkeypatch):
     assert calls == [big.shape, tf.TensorShape([None, 4, 4, 2])]
 
 
-def test_winograd_output_names_a_wrong_tile_count(library):
-    products = tf.zeros([36, 5, 3])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="5 tiles; an output of 1x8x8 has 4"):
-        library.mrcnn_winograd_output(products, tf.constant([1, 8, 8]))
+def test_winograd_ops_name_a_wrong_band(library):
+    base = tf.zeros([1, 8, 8, 3])  # 2 lines of 2 tiles
+    with pytest.raises(tf.errors.InvalidArgumentError, match="5 tiles, not whole lines of the 2 tiles across"):
+        library.mrcnn_winograd_output(tf.zeros([36, 5, 3]), tf.constant([1, 8, 8]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="band of 2 lines from line 1 is past the 2 lines"):
+        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 3]), first_line=1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="band of 1 lines from line 2 is past the 2 lines"):
+        library.mrcnn_winograd_input(base, first_line=2, lines=1)
 
 
 def test_evaluation_encodes_with_the_fused_op_unless_ops_are_off(rng):

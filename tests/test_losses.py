@@ -113,3 +113,33 @@ def test_l2_counts_kernels_only():
     expected = 1e-2 * sum(0.5 * np.sum(np.square(v.numpy())) for v in model.weights if v.path.endswith("kernel"))
     got = losses.l2_loss(model.trainable_variables, 1e-2)["loss_l2"].numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_l2_gradients_are_the_l2_losss_added_once_each_kernels_gradient_exists():
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="conv"),
+                              keras.layers.Flatten(), keras.layers.Dense(2, name="fc")])
+    variables = model.trainable_variables
+    rng = np.random.default_rng(0)
+    others = [tf.constant(rng.normal(size=v.shape), tf.float32) for v in variables]
+    with tf.GradientTape() as tape:
+        scaled = losses.l2_loss(variables, 1e-2)["loss_l2"] * 8.0
+    l2_gradients = tape.gradient(scaled, variables)
+    want = [g + d if d is not None else g for g, d in zip(others, l2_gradients)]
+
+    @tf.function
+    def add(gradients):
+        gradients = [tf.identity(g) for g in gradients]  # an op's outputs, as a tape's gradients are
+        return losses.add_l2_gradients(variables, gradients, 1e-2, 8.0)
+
+    for v, got, expected in zip(variables, add(others), want):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, err_msg=v.path)
+    graph = add.get_concrete_function(others).graph
+    # Each kernel's decay waits for its gradient (not made at the start of the backward pass and held).
+    decays = [op for op in graph.get_operations() if op.type == "Mul"]
+    assert len(decays) == 2
+    # (TensorFlow puts the control input on the variable's read, which the product takes as its input.)
+    assert [[c.name for c in op.inputs[0].op.control_inputs] for op in decays] == [["Identity"], ["Identity_2"]]
+    # A kernel without another gradient gets the L2 loss's alone; a bias without one stays without.
+    alone = losses.add_l2_gradients(variables, [None, None, others[2], None], 1e-2, 8.0)
+    np.testing.assert_allclose(alone[0].numpy(), l2_gradients[0].numpy(), rtol=1e-6)
+    assert alone[1] is None and alone[3] is None

@@ -86,6 +86,24 @@ def test_accumulated_update_equals_one_update_on_the_larger_batch():
     assert int(accumulated.optimizer.iterations.numpy()) == 1
 
 
+@pytest.mark.parametrize("momentum, nesterov", [(0.9, False), (0.9, True), (0.0, False)])
+def test_momentum_sgd_updates_as_keras_sgd_does_to_the_bit(momentum, nesterov):
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=(5, 3)).astype(np.float32)
+    gradients = [tf.constant(rng.normal(size=(5, 3)), tf.float32) for _ in range(3)]
+    results = []
+    for optimizer_class in (keras.optimizers.SGD, train_runtime.MomentumSGD):
+        variable = keras.Variable(start)
+        optimizer = optimizer_class(0.1, momentum=momentum, nesterov=nesterov)
+        apply = tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))
+        for gradient in gradients:
+            apply(gradient)
+        results.append([variable.numpy()] + [m.numpy() for m in optimizer.momentums])
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(results[1][0], start)
+
+
 @pytest.mark.parametrize("freeze_bn", [False, True])
 def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_records, freeze_bn):
     config = small_config()

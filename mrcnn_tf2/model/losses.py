@@ -121,6 +121,31 @@ def l2_loss(variables, weight_decay):
     return {"loss_l2": weight_decay * total}
 
 
+def add_l2_gradients(variables, gradients, weight_decay, multiplier=1.0):
+    """`gradients` (of the other losses) plus those of l2_loss times `multiplier`: g + multiplier * weight_decay * w
+    for the decayed kernels, each computed once g exists. The L2 loss's own gradients, taped, need only the
+    variables: TensorFlow's executor would make them all at the start of the backward pass and hold them to
+    its end (a copy of every trained kernel at the step's peak).
+
+    Args:
+      variables: the variables `gradients` belong to, in order.
+      gradients: one tensor (or None: no path from the other losses) per variable.
+      weight_decay: float L2 coefficient; multiplier: float or scalar tensor (a loss scale).
+
+    Returns:
+      list of the gradients with the L2 loss's added (None stays None for a variable without weight decay).
+    """
+    summed = []
+    for variable, gradient in zip(variables, gradients):
+        if weight_decay and is_decayed(variable):
+            dependencies = [] if gradient is None else [gradient]
+            with tf.control_dependencies(dependencies):
+                decay = tf.cast(tf.convert_to_tensor(variable), tf.float32) * (multiplier * weight_decay)
+            gradient = decay if gradient is None else gradient + tf.cast(decay, gradient.dtype)
+        summed.append(gradient)
+    return summed
+
+
 def is_decayed(variable):
     """Whether weight decay applies: Keras names convolution and dense weights 'kernel', while biases are
     'bias' and batch-norm parameters 'gamma', 'beta', 'moving_mean', 'moving_variance'."""

@@ -201,8 +201,12 @@ class MaskRCNN(TracksSublayers, keras.Model):
         """
         with tf.GradientTape() as tape:
             losses = self.compute_losses(data, self.forward_train(data, training=True))
-            scaled = losses["loss_total"] * loss_multiplier
-        return losses, tape.gradient(scaled, self.trainable_variables)
+            # The L2 loss's gradients are added after the tape's, each once its kernel's gradient exists.
+            taped = tf.add_n([value for name, value in losses.items() if name not in ("loss_l2", "loss_total")])
+            scaled = taped * loss_multiplier
+        gradients = tape.gradient(scaled, self.trainable_variables)
+        return losses, loss_fns.add_l2_gradients(self.trainable_variables, gradients, self.l2_weight_decay,
+                                                 loss_multiplier)
 
     def train_step(self, data):
         # Keras's compile wraps the optimizer in a LossScaleOptimizer under mixed_float16.

@@ -263,8 +263,12 @@ def _cpu_conv(inputs, kernel, strides, padding, route):
             if _winograd(x, w, strides, padding, route):
                 # The input gradient of a 3x3 'SAME' conv is the conv of the kernel flipped in space with
                 # its channels swapped, and the kernel gradient has Winograd's form too.
-                input_grad = fused_ops.conv2d_3x3(out_grad, flipped(w))
-                return input_grad, fused_ops.conv2d_3x3_kernel_gradient(x, out_grad)
+                # The kernel gradient first: then the conv's input can go before the backward pass goes on,
+                # and the two gradients' tiles are never made at once.
+                kernel_grad = fused_ops.conv2d_3x3_kernel_gradient(x, out_grad)
+                with tf.control_dependencies([kernel_grad]):
+                    input_grad = fused_ops.conv2d_3x3(out_grad, flipped(w))
+                return input_grad, kernel_grad
             if strides == 1:
                 input_grad = tf.nn.conv2d_transpose(out_grad, w, tf.shape(x), 1, padding)
                 return input_grad, kernel_gradient(x, out_grad, kernel_shape, padding)

@@ -226,8 +226,9 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 _WINOGRAD_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
                         [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])
 _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
-# The most bytes of transformed tiles (or of their products) computed at once.
-_WINOGRAD_PART_BYTES = 256 * 2**20
+# The most bytes of transformed tiles (or of their products) computed at once: a quarter of P2's at 800x1088,
+# batch 2, which lowers a training step's peak memory and not its speed (CHANGELOG).
+_WINOGRAD_BAND_BYTES = 64 * 2**20
 
 
 def conv2d_3x3(inputs, kernel):
@@ -245,23 +246,21 @@ def conv2d_3x3(inputs, kernel):
       [B, H, W, C_out] float32.
     """
     library = load_library()
-    batch, height, width, in_channels = inputs.shape
-    out_channels = kernel.shape[3]
+    in_channels, out_channels = inputs.shape[3], kernel.shape[3]
     # After the input: in a backward pass the flipped kernel is there long before the output gradient, and
     # the executor would transform every conv's kernel at once and hold them all (36 x C_in x C_out each).
     with tf.control_dependencies([inputs]):
         transformed = tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])),
                                  [36, in_channels, out_channels])
-
-    def convolve(images):
-        products = tf.matmul(library.mrcnn_winograd_input(images), transformed)  # [36, T, C_out]
-        return library.mrcnn_winograd_output(products, tf.shape(images)[:3])
-
-    parts = _winograd_parts(inputs.shape[:3], max(in_channels, out_channels))
-    if parts > 1:
-        outputs = tf.concat([convolve(part) for part in tf.split(inputs, _even_split(batch, parts))], 0)
-    else:
-        outputs = convolve(inputs)
+    # Band after band into one buffer, each band's tiles and products made after the previous band's are
+    # gone: a large conv's tiles and products (2.25x its input's and its output's memory) are never all there.
+    outputs = None
+    for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels)):
+        with tf.control_dependencies([] if outputs is None else [outputs]):
+            tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines)
+        products = tf.matmul(tiles, transformed)  # [36, T_band, C_out]
+        outputs = (library.mrcnn_winograd_output(products, tf.shape(inputs)[:3], first_line=first_line)
+                   if outputs is None else library.mrcnn_winograd_output_into(outputs, products, first_line=first_line))
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
     return outputs
 
@@ -282,41 +281,33 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad):
     """
     library = load_library()
     in_channels, out_channels = inputs.shape[3], out_grad.shape[3]
-
-    def products(images, grads):  # [36, C_in, C_out]
-        # The input's tiles need only the forward's input, so TensorFlow's executor would transform it as soon
-        # as the forward pass had it and hold the tiles until the gradient arrived: the tiles of every such conv
-        # at once, 0.4 GiB more at the peak of a fine-tuning step at 832x1088, batch 2.
-        with tf.control_dependencies([grads]):
-            tiles = library.mrcnn_winograd_input(images)
-        return tf.matmul(tiles, library.mrcnn_winograd_output_adjoint(grads), transpose_a=True)
-
-    # Smaller parts than the forward's: they cost a sum of [36, C_in, C_out] here, not a concatenation.
-    parts = _winograd_parts(inputs.shape[:3], max(in_channels, out_channels), _WINOGRAD_PART_BYTES // 4)
-    if parts > 1:
-        sizes = _even_split(inputs.shape[0], parts)
-        summed = tf.add_n([products(x, g) for x, g in zip(tf.split(inputs, sizes), tf.split(out_grad, sizes))])
-    else:
-        summed = products(inputs, out_grad)
+    # The input's tiles need only the forward's input, so TensorFlow's executor would transform it as soon as
+    # the forward pass had it and hold the tiles until the gradient arrived: the tiles of every such conv at
+    # once. So the first band waits for
+    # the output gradient, and each later band for the sum so far (one band's tiles at a time).
+    summed = out_grad
+    for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels)):
+        with tf.control_dependencies([summed]):
+            tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines)
+            grad_tiles = library.mrcnn_winograd_output_adjoint(out_grad, first_line=first_line, lines=lines)
+        products = tf.matmul(tiles, grad_tiles, transpose_a=True)  # [36, C_in, C_out]
+        summed = products if summed is out_grad else summed + products
     kernel_grad = tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(summed, [36, -1]), transpose_a=True)
     return tf.reshape(kernel_grad, [3, 3, in_channels, out_channels])
 
 
-def _winograd_parts(shape, channels, part_bytes=None):
-    """Parts of the batch that Winograd's route takes in turn for an input of `shape` (B, H, W; None where
-    unknown) and at most `channels` channels in or out: the transformed tiles and products take 2.25x the
-    input's and the output's memory, so a large batch (P2 at batch 2: 322 MB each) goes in parts of at most
-    `part_bytes` (default _WINOGRAD_PART_BYTES) of tiles, which keeps a training step's peak memory down."""
+def _winograd_bands(shape, channels):
+    """(first_line, lines) of the bands of tile lines (an image's tile row: ops/winograd_op.cc) that Winograd's
+    route takes in turn, for an input of `shape` (B, H, W; None where unknown) and at most `channels` channels in
+    or out: nearly equal bands of at most _WINOGRAD_BAND_BYTES of tiles, or one band of all (-1) if the size is
+    known only at run time."""
     batch, height, width = shape
     if None in (batch, height, width):
-        return 1
-    tile_bytes = 36 * 4 * -(-height // 4) * -(-width // 4) * channels * batch
-    return min(batch, -(-tile_bytes // (part_bytes or _WINOGRAD_PART_BYTES)))
-
-
-def _even_split(total, parts):
-    """Sizes of `parts` nearly equal parts of `total`: _even_split(5, 2) = [3, 2]."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
+        return [(0, -1)]
+    lines, line_bytes = batch * -(-height // 4), 36 * 4 * -(-width // 4) * channels
+    bands = max(1, min(lines, -(-lines * line_bytes // _WINOGRAD_BAND_BYTES)))
+    sizes = [lines // bands + (i < lines % bands) for i in range(bands)]
+    return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
 
 
 # -- mask pasting and RLE encoding (evaluation, NumPy in, pycocotools RLE out) -----------------------------

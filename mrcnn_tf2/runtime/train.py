@@ -51,6 +51,23 @@ class NonFiniteLossError(RuntimeError):
     gradients that overflow with a finite loss are not this: the update is skipped and counted.)"""
 
 
+class MomentumSGD(keras.optimizers.SGD):
+    """Keras's SGD whose momentum update is TensorFlow's one fused kernel (ResourceApplyKerasMomentum): Keras's
+    arithmetic, m = momentum * m - lr * g and w += m (w += momentum * m - lr * g with nesterov), in place. Keras's
+    own update is separate ops, and m * momentum needs only the slot: TensorFlow's executor computed it for every
+    variable at the start of the step and held it until the gradient came (a copy of the trained variables at
+    the step's peak). The fused kernel runs once the gradient exists and makes nothing."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        if self.momentum == 0:
+            return super().update_step(gradient, variable, learning_rate)
+        momentum = self.momentums[self._get_variable_index(variable)]
+        tf.raw_ops.ResourceApplyKerasMomentum(
+            var=variable.handle, accum=momentum.value.handle, lr=tf.cast(learning_rate, variable.dtype),
+            grad=tf.cast(gradient, variable.dtype), momentum=tf.cast(self.momentum, variable.dtype),
+            use_nesterov=self.nesterov)
+
+
 def count_records(file_pattern):
     """Number of records in the files matching `file_pattern` (read once; the record bodies are skipped)."""
     paths = sorted(glob.glob(file_pattern))
@@ -92,7 +109,7 @@ class Trainer:
         self.schedule = learning_rate_schedule(train, self.steps_per_epoch, self.global_batch_size,
                                                constant=runtime.benchmark)
         # Keras clips inside apply: after the LossScaleOptimizer has unscaled and after the allreduce.
-        self.sgd = keras.optimizers.SGD(self.schedule, momentum=train.momentum, global_clipnorm=train.clip_grad_norm)
+        self.sgd = MomentumSGD(self.schedule, momentum=train.momentum, global_clipnorm=train.clip_grad_norm)
         self.loss_scaled = self.policy == "mixed_float16"
         optimizer = (keras.optimizers.LossScaleOptimizer(self.sgd, initial_scale=INITIAL_LOSS_SCALE) if self.loss_scaled
                      else self.sgd)
