@@ -357,12 +357,13 @@ class BandOutputOp : public OpKernel {
 
   void Compute(OpKernelContext* context) override {
     const Tensor& products_tensor = context->input(products_index_);
+    OP_REQUIRES(context, products_tensor.dims() == 3 && products_tensor.dim_size(0) == kPoints,
+                InvalidArgument("products must be [36, T, C], got ", products_tensor.shape().DebugString()));
     TensorShape shape;
     OP_REQUIRES_OK(context, OutputShape(context, &shape));
-    OP_REQUIRES(context, products_tensor.dims() == 3 && products_tensor.dim_size(0) == kPoints &&
-                             products_tensor.dim_size(2) == shape.dim_size(3),
-                InvalidArgument("products must be [36, T, C] for an output of ", shape.DebugString(), ", got ",
-                                products_tensor.shape().DebugString()));
+    OP_REQUIRES(context, products_tensor.dim_size(2) == shape.dim_size(3),
+                InvalidArgument("products ", products_tensor.shape().DebugString(),
+                                " do not have the channels of the output ", shape.DebugString()));
     Grid grid = MakeGrid(shape.dim_size(0), shape.dim_size(1), shape.dim_size(2));
     const int64_t tiles = products_tensor.dim_size(1);
     OP_REQUIRES(context, grid.tile_cols > 0 ? tiles % grid.tile_cols == 0 : tiles == 0,

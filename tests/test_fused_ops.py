@@ -281,6 +281,10 @@ def test_winograd_ops_name_a_wrong_band(library):
         library.mrcnn_winograd_output(tf.zeros([36, 5, 3]), tf.constant([1, 8, 8]))
     with pytest.raises(tf.errors.InvalidArgumentError, match="band of 2 lines from line 1 is past the 2 lines"):
         library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 3]), first_line=1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"products must be \[36, T, C\], got \[36,4\]"):
+        library.mrcnn_winograd_output(tf.zeros([36, 4]), tf.constant([1, 8, 8]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="do not have the channels of the output"):
+        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 2]), first_line=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="band of 1 lines from line 2 is past the 2 lines"):
         library.mrcnn_winograd_input(base, first_line=2, lines=1)
 
