@@ -58,6 +58,10 @@ class MomentumSGD(keras.optimizers.SGD):
     variable at the start of the step and held it until the gradient came (a copy of the trained variables at
     the step's peak). The fused kernel runs once the gradient exists and makes nothing."""
 
+    def __init__(self, *args, name="sgd", **kwargs):
+        # Keras's SGD's own name (its class's, in snake case): the update's scope in a logged graph stays "sgd".
+        super().__init__(*args, name=name, **kwargs)
+
     def update_step(self, gradient, variable, learning_rate):
         if self.momentum == 0:
             return super().update_step(gradient, variable, learning_rate)
