@@ -283,8 +283,8 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad):
     in_channels, out_channels = inputs.shape[3], out_grad.shape[3]
     # The input's tiles need only the forward's input, so TensorFlow's executor would transform it as soon as
     # the forward pass had it and hold the tiles until the gradient arrived: the tiles of every such conv at
-    # once. So the first band waits for
-    # the output gradient, and each later band for the sum so far (one band's tiles at a time).
+    # once. So the first band waits for the output gradient, and each later band for the sum so far (one band's
+    # tiles at a time).
     summed = out_grad
     for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels)):
         with tf.control_dependencies([summed]):
