@@ -347,20 +347,33 @@ class WinogradOutputAdjointOp : public PixelsToTilesOp {
   explicit WinogradOutputAdjointOp(OpKernelConstruction* context) : PixelsToTilesOp(context, AdjointTiles) {}
 };
 
-// MrcnnWinogradOutput and MrcnnWinogradOutputInto: the band's blocks into an output of `shape`, which
-// Output(context, shape) provides (a new tensor or the base's).
+// MrcnnWinogradOutput (into_ false: inputs products, size) and MrcnnWinogradOutputInto (into_ true: inputs base,
+// products): the band's blocks into a new output of zeros, or into base.
 class BandOutputOp : public OpKernel {
  public:
-  explicit BandOutputOp(OpKernelConstruction* context) : OpKernel(context) {
+  BandOutputOp(OpKernelConstruction* context, bool into) : OpKernel(context), into_(into) {
     OP_REQUIRES_OK(context, context->GetAttr("first_line", &first_line_));
   }
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& products_tensor = context->input(products_index_);
+    const Tensor& products_tensor = context->input(into_ ? 1 : 0);
     OP_REQUIRES(context, products_tensor.dims() == 3 && products_tensor.dim_size(0) == kPoints,
                 InvalidArgument("products must be [36, T, C], got ", products_tensor.shape().DebugString()));
     TensorShape shape;
-    OP_REQUIRES_OK(context, OutputShape(context, &shape));
+    if (into_) {
+      const Tensor& base = context->input(0);
+      OP_REQUIRES(context, base.dims() == 4,
+                  InvalidArgument("base must be [B, H, W, C], got ", base.shape().DebugString()));
+      shape = base.shape();
+    } else {
+      const Tensor& size = context->input(1);
+      OP_REQUIRES(context, size.dims() == 1 && size.dim_size(0) == 3,
+                  InvalidArgument("size must be [3] (B, H, W), got ", size.shape().DebugString()));
+      const auto dims = size.vec<int32_t>();
+      OP_REQUIRES(context, dims(0) >= 0 && dims(1) >= 0 && dims(2) >= 0,
+                  InvalidArgument("size must be >= 0, got ", dims(0), "x", dims(1), "x", dims(2)));
+      shape = TensorShape({dims(0), dims(1), dims(2), products_tensor.dim_size(2)});
+    }
     OP_REQUIRES(context, products_tensor.dim_size(2) == shape.dim_size(3),
                 InvalidArgument("products ", products_tensor.shape().DebugString(),
                                 " do not have the channels of the output ", shape.DebugString()));
@@ -370,8 +383,23 @@ class BandOutputOp : public OpKernel {
                 InvalidArgument("products hold ", tiles, " tiles, not whole lines of the ", grid.tile_cols,
                                 " tiles across an output of ", shape.DebugString()));
     OP_REQUIRES_OK(context, SetBand(&grid, first_line_, grid.tile_cols > 0 ? tiles / grid.tile_cols : 0));
-    float* output = nullptr;
-    OP_REQUIRES_OK(context, Output(context, shape, grid, &output));
+    Tensor* output_tensor = nullptr;
+    if (into_) {
+      // The earlier bands' blocks are base's: written in place when base's buffer is this op's alone (the
+      // previous band's output), else copied first.
+      const Tensor& base = context->input(0);
+      OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({0}, 0, shape, &output_tensor));
+      if (output_tensor->flat<float>().data() != base.flat<float>().data()) {
+        std::memcpy(output_tensor->flat<float>().data(), base.flat<float>().data(),
+                    base.NumElements() * sizeof(float));
+      }
+    } else {
+      OP_REQUIRES_OK(context, context->allocate_output(0, shape, &output_tensor));
+      if (grid.count < grid.lines() * grid.tile_cols) {  // a band of the whole: the rest are zeros, not garbage
+        std::fill_n(output_tensor->flat<float>().data(), output_tensor->NumElements(), 0.0f);
+      }
+    }
+    float* output = output_tensor->flat<float>().data();
     const float* products = products_tensor.flat<float>().data();
     const int64_t channels = shape.dim_size(3);
     const bool streaming = CanStream(output, channels);
@@ -380,71 +408,19 @@ class BandOutputOp : public OpKernel {
     });
   }
 
- protected:
-  BandOutputOp(OpKernelConstruction* context, int products_index) : BandOutputOp(context) {
-    products_index_ = products_index;
-  }
-  virtual Status OutputShape(OpKernelContext* context, TensorShape* shape) = 0;
-  virtual Status Output(OpKernelContext* context, const TensorShape& shape, const Grid& grid, float** output) = 0;
-
  private:
+  const bool into_;
   int64_t first_line_;
-  int products_index_ = 0;
 };
 
 class WinogradOutputOp : public BandOutputOp {
  public:
-  explicit WinogradOutputOp(OpKernelConstruction* context) : BandOutputOp(context, 0) {}
-
- protected:
-  Status OutputShape(OpKernelContext* context, TensorShape* shape) override {
-    const Tensor& size = context->input(1);
-    if (size.dims() != 1 || size.dim_size(0) != 3) {
-      return InvalidArgument("size must be [3] (B, H, W), got ", size.shape().DebugString());
-    }
-    const auto dims = size.vec<int32_t>();
-    if (dims(0) < 0 || dims(1) < 0 || dims(2) < 0) {
-      return InvalidArgument("size must be >= 0, got ", dims(0), "x", dims(1), "x", dims(2));
-    }
-    *shape = TensorShape({dims(0), dims(1), dims(2), context->input(0).dim_size(2)});
-    return Status();
-  }
-
-  Status Output(OpKernelContext* context, const TensorShape& shape, const Grid& grid, float** output) override {
-    Tensor* tensor = nullptr;
-    TF_RETURN_IF_ERROR(context->allocate_output(0, shape, &tensor));
-    *output = tensor->flat<float>().data();
-    if (grid.count < grid.lines() * grid.tile_cols) {  // a band of the whole: the rest are zeros, not garbage
-      std::fill_n(*output, tensor->NumElements(), 0.0f);
-    }
-    return Status();
-  }
+  explicit WinogradOutputOp(OpKernelConstruction* context) : BandOutputOp(context, false) {}
 };
 
 class WinogradOutputIntoOp : public BandOutputOp {
  public:
-  explicit WinogradOutputIntoOp(OpKernelConstruction* context) : BandOutputOp(context, 1) {}
-
- protected:
-  Status OutputShape(OpKernelContext* context, TensorShape* shape) override {
-    const Tensor& base = context->input(0);
-    if (base.dims() != 4) return InvalidArgument("base must be [B, H, W, C], got ", base.shape().DebugString());
-    *shape = base.shape();
-    return Status();
-  }
-
-  // The earlier bands' blocks are base's: written in place when base's buffer is this op's alone (the
-  // previous band's output), else copied first.
-  Status Output(OpKernelContext* context, const TensorShape& shape, const Grid& grid, float** output) override {
-    const Tensor& base = context->input(0);
-    Tensor* tensor = nullptr;
-    TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({0}, 0, shape, &tensor));
-    *output = tensor->flat<float>().data();
-    if (*output != base.flat<float>().data()) {
-      std::memcpy(*output, base.flat<float>().data(), base.NumElements() * sizeof(float));
-    }
-    return Status();
-  }
+  explicit WinogradOutputIntoOp(OpKernelConstruction* context) : BandOutputOp(context, true) {}
 };
 
 REGISTER_KERNEL_BUILDER(Name("MrcnnWinogradInput").Device(tensorflow::DEVICE_CPU), WinogradInputOp);
