@@ -47,6 +47,45 @@ def test_conv2d_matches_tensorflow(kernel_size, stride, padding, height, width):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("route", conv_ops.ROUTES)
+@pytest.mark.parametrize("kernel_size,stride,padding", [(3, 1, "SAME"), (1, 1, "SAME"), (1, 2, "VALID")])
+def test_conv2d_of_a_scaled_kernel_is_the_conv_of_the_product(monkeypatch, route, kernel_size, stride, padding):
+    """kernel_scale (a frozen batch norm folded in): the output and the gradients of x, kernel and scale are
+    those of conv2d(x, kernel * scale); the CPU routes make the product again for the gradient, once the output
+    gradient exists, rather than keep the forward pass's."""
+    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # Winograd's route at this small size too
+    rng = np.random.default_rng(kernel_size + stride)
+    x = tf.constant(rng.normal(size=(2, 9, 12, 5)), tf.float32)
+    w = tf.constant(rng.normal(size=(kernel_size, kernel_size, 5, 4)), tf.float32)
+    scale = tf.constant(rng.uniform(0.5, 2.0, size=4), tf.float32)
+    upstream = tf.constant(rng.normal(size=tf.nn.conv2d(x, w, stride, padding).shape), tf.float32)
+
+    def gradients(conv, x, w, scale):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w, scale])
+            y = conv(x, w, scale)
+            loss = tf.reduce_sum(y * upstream)
+        return (y, *tape.gradient(loss, [x, w, scale]))
+
+    def scaled(x, w, scale):
+        return conv_ops.conv2d(x, w, stride, padding, route=route, kernel_scale=scale)
+
+    expected = gradients(lambda x, w, scale: tf.nn.conv2d(x, w * scale, stride, padding), x, w, scale)
+    actual = gradients(scaled, x, w, scale)
+    for name, want, got in zip(("output", "input gradient", "kernel gradient", "scale gradient"), expected, actual):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4 * np.abs(want).max(),
+                                   err_msg=name)
+    if route == conv_ops.PLAIN:
+        return
+    graph = tf.function(lambda x, w, scale: gradients(scaled, x, w, scale)).get_concrete_function(x, w, scale).graph
+    products = [op for op in graph.get_operations()  # kernel * scale, of the function's arguments
+                if op.type == "Mul" and [i.op.type for i in op.inputs] == ["Placeholder", "Placeholder"]]
+    # The forward pass's product and the gradient's, which waits for the output gradient.
+    assert len(products) == 2
+    assert [op.control_inputs for op in products][0] == []
+    assert [c.type for c in products[1].control_inputs] == ["Mul"]  # upstream's product: the output gradient
+
+
 @pytest.mark.parametrize("kernel_size,stride,padding,height,width",
                          [case for case in CASES if case[1] == 2 and not isinstance(case[2], str)])
 def test_bfloat16_strided_conv_with_explicit_padding_matches_tensorflow(kernel_size, stride, padding, height, width):

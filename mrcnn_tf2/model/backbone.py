@@ -141,9 +141,8 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
             return tf.nn.relu(x) if self.relu else x
         scale = self.bn.gamma * tf.math.rsqrt(self.bn.moving_variance + self.bn.epsilon)
         bias = self.bn.beta - self.bn.moving_mean * scale
-        return conv_ops.conv2d(x, tf.cast(kernel * scale, self.compute_dtype), self.strides, self._padding,
-                               bias=tf.cast(bias, self.compute_dtype), residual=residual, relu=self.relu,
-                               route=self.conv_route)
+        return conv_ops.conv2d(x, kernel, self.strides, self._padding, bias=tf.cast(bias, self.compute_dtype),
+                               residual=residual, relu=self.relu, route=self.conv_route, kernel_scale=scale)
 
     def _train_batch_norm(self, x, update_averages):
         """Batch norm of `x` [B, H, W, C] on the batch's statistics, which update the moving averages as the

@@ -198,7 +198,8 @@ def _forward(inputs, kernel, strides, padding, route):
     return tf.cond(tf.shape(inputs)[0] == 1, batch_of_one, direct)
 
 
-def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, relu=False, route=CPU):
+def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, relu=False, route=CPU,
+           kernel_scale=None):
     """relu(tf.nn.conv2d(inputs, kernel) + bias + residual) (no dilation), the block oneDNN fuses into one
     kernel, by `route`; on the CPU routes the kernel gradient at stride 1 is `kernel_gradient`.
 
@@ -212,6 +213,11 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
       relu: whether a ReLU ends the block.
       route: PLAIN, CPU or WINOGRAD (module docstring). WINOGRAD: a float32 3x3 stride-1 'SAME' conv runs
         Winograd's fused ops (`fused_ops.conv2d_3x3`); the kernel gradient is CPU's either way.
+      kernel_scale: [C_out] float32 or None. The conv's kernel is then tf.cast(kernel * kernel_scale,
+        inputs.dtype) (a frozen batch norm folded in; `kernel` float32). The CPU routes' gradient makes that
+        product again when the output gradient comes rather than keep it from the forward pass: a trained
+        backbone's folded kernels, as many bytes as its weights, are otherwise all held from the forward pass
+        to their convs' gradients.
 
     Returns:
       [B, H_out, W_out, C_out].
@@ -230,21 +236,26 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
             def fold(tensor):
                 return tf.reshape(tensor, tf.concat([[2, rows // 2], tf.shape(tensor)[2:]], 0))
 
-            outputs = _block(fold(inputs), kernel, 1, padding, bias, None if residual is None else fold(residual),
-                             relu, route)
+            outputs = _block(fold(inputs), kernel, kernel_scale, 1, padding, bias,
+                             None if residual is None else fold(residual), relu, route)
             unfolded = tf.reshape(outputs, tf.concat([[1, rows], tf.shape(outputs)[2:]], 0))
             unfolded.set_shape(inputs.shape[:3] + kernel.shape[3:])
             return unfolded
-    return _block(inputs, kernel, strides, padding, bias, residual, relu, route)
+    return _block(inputs, kernel, kernel_scale, strides, padding, bias, residual, relu, route)
 
 
-def _block(inputs, kernel, strides, padding, bias, residual, relu, route):
+def _folded(kernel, scale, dtype):
+    """The conv's kernel [KH, KW, C_in, C_out] in `dtype`: kernel * scale [C_out], or kernel if scale is None."""
+    return kernel if scale is None else tf.cast(kernel * scale, dtype)
+
+
+def _block(inputs, kernel, scale, strides, padding, bias, residual, relu, route):
     """conv2d's block: the conv (on the CPU routes under its custom gradient) followed by the ops oneDNN
     fuses into it."""
     if route == PLAIN:
-        outputs = tf.nn.conv2d(inputs, kernel, strides, padding)
+        outputs = tf.nn.conv2d(inputs, _folded(kernel, scale, inputs.dtype), strides, padding)
     else:
-        outputs = _cpu_conv(inputs, kernel, strides, padding, route)
+        outputs = _cpu_conv(inputs, kernel, scale, strides, padding, route)
     if bias is not None:
         outputs = tf.nn.bias_add(outputs, bias)
     if residual is not None:
@@ -252,14 +263,25 @@ def _block(inputs, kernel, strides, padding, bias, residual, relu, route):
     return tf.nn.relu(outputs) if relu else outputs
 
 
-def _cpu_conv(inputs, kernel, strides, padding, route):
-    """The conv of the CPU routes (`_forward`) under their gradient: `kernel_gradient` at stride 1, both
-    gradients by Winograd's route where the forward took it."""
+def _cpu_conv(inputs, kernel, scale, strides, padding, route):
+    """The conv of the CPU routes (`_forward`) of kernel * scale (`_folded`) under their gradient:
+    `kernel_gradient` at stride 1, both gradients by Winograd's route where the forward took it."""
     kernel_shape = tuple(kernel.shape)
 
     @tf.custom_gradient
-    def convolve(x, w):
+    def convolve(x, raw, *scales):
         def grad(out_grad):
+            if not scales:
+                return conv_grad(out_grad, raw)
+            # The folded kernel made again once the output gradient exists: made from the forward pass's
+            # values alone, the executor would run it at once and hold it until the gradient came.
+            with tf.control_dependencies([out_grad]):
+                folded = _folded(raw, scales[0], x.dtype)
+            input_grad, kernel_grad = conv_grad(out_grad, folded)
+            kernel_grad = tf.cast(kernel_grad, tf.float32)
+            return input_grad, kernel_grad * scales[0], tf.reduce_sum(kernel_grad * raw, [0, 1, 2])
+
+        def conv_grad(out_grad, w):
             if _winograd(x, w, strides, padding, route):
                 # The input gradient of a 3x3 'SAME' conv is the conv of the kernel flipped in space with
                 # its channels swapped, and the kernel gradient has Winograd's form too.
@@ -289,6 +311,6 @@ def _cpu_conv(inputs, kernel, strides, padding, route):
                 input_grad = tf.slice(input_grad, [0, padding[1][0], padding[2][0], 0], tf.shape(x))
             return input_grad, tf.raw_ops.Conv2DBackpropFilter(input=padded, filter_sizes=tf.shape(w), **conv)
 
-        return _forward(x, w, strides, padding, route), grad
+        return _forward(x, _folded(raw, scales[0] if scales else None, x.dtype), strides, padding, route), grad
 
-    return convolve(inputs, kernel)
+    return convolve(inputs, kernel, *([] if scale is None else [scale]))

@@ -226,9 +226,11 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 _WINOGRAD_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
                         [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])
 _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
-# The most bytes of transformed tiles (or of their products) computed at once: a quarter of P2's at 800x1088,
-# batch 2, which lowers a training step's peak memory and not its speed (CHANGELOG).
-_WINOGRAD_BAND_BYTES = 64 * 2**20
+# The most bytes of transformed tiles (or of their products) computed at once: an eighth of P2's at 800x1088,
+# batch 2, which lowers a training step's peak memory and not its speed (CHANGELOG). Less than half of a
+# P2-sized tensor: TensorFlow's CPU allocator serves a request from a free block of less than twice its size
+# whole, and a band's tensors would otherwise take the blocks of freed P2 gradients whole.
+_WINOGRAD_BAND_BYTES = 32 * 2**20
 
 
 def conv2d_3x3(inputs, kernel):
