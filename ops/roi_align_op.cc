@@ -43,8 +43,12 @@ REGISTER_OP("MrcnnRoiAlignGrad")
     .Input("boxes: float")         // [B, N, 4]
     .Input("levels: int32")        // [B, N]
     .Input("level_sizes: int32")   // [L, 2] (H_l, W_l) of each level
+    // None, or one [B, H_l, W_l, C] per level that the gradient is added to (another RoIAlign's gradient of
+    // the same features), in place when its buffer is this op's alone.
+    .Input("base: num_base * float")
     .Output("features_grad: num_levels * float")  // each [B, H_l, W_l, C]
     .Attr("num_levels: int >= 1")
+    .Attr("num_base: int >= 0 = 0")  // 0 or num_levels
     .Attr("min_level: int")
     .Attr("sampling_ratio: int >= 1")
     .Attr("aligned: bool = true")  // the forward op's
@@ -215,12 +219,16 @@ class RoiAlignGradOp : public OpKernel {
  public:
   explicit RoiAlignGradOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("num_levels", &num_levels_));
+    OP_REQUIRES_OK(context, context->GetAttr("num_base", &num_base_));
+    OP_REQUIRES(context, num_base_ == 0 || num_base_ == num_levels_,
+                InvalidArgument("num_base must be 0 or num_levels (", num_levels_, "), got ", num_base_));
     OP_REQUIRES_OK(context, context->GetAttr("min_level", &min_level_));
     OP_REQUIRES_OK(context, context->GetAttr("sampling_ratio", &sampling_ratio_));
     OP_REQUIRES_OK(context, context->GetAttr("aligned", &aligned_));
   }
 
   void Compute(OpKernelContext* context) override {
+    constexpr int kFirstBase = 4;  // inputs: grad, boxes, levels, level_sizes, base...
     const Tensor& grad = context->input(0);
     const Tensor& boxes = context->input(1);
     const Tensor& levels = context->input(2);
@@ -237,22 +245,38 @@ class RoiAlignGradOp : public OpKernel {
     const int64_t channels = grad.dim_size(4);
     const auto sizes = level_sizes.matrix<int32_t>();
 
-    OpOutputList outputs;
-    OP_REQUIRES_OK(context, context->output_list("features_grad", &outputs));
     std::vector<float*> grad_data(num_levels_);
+    std::vector<const float*> base_data(num_levels_, nullptr);  // a base not forwarded: copied, not zeroed
     std::vector<int64_t> cells(num_levels_);  // B * H_l * W_l
     for (int l = 0; l < num_levels_; ++l) {
-      Tensor* out = nullptr;
       OP_REQUIRES(context, sizes(l, 0) >= 0 && sizes(l, 1) >= 0, InvalidArgument("negative level size"));
-      OP_REQUIRES_OK(context, outputs.allocate(l, TensorShape({batch, sizes(l, 0), sizes(l, 1), channels}), &out));
+      const TensorShape shape({batch, sizes(l, 0), sizes(l, 1), channels});
+      Tensor* out = nullptr;
+      if (num_base_ > 0) {
+        const Tensor& base = context->input(kFirstBase + l);
+        OP_REQUIRES(context, base.shape() == shape,
+                    InvalidArgument("base ", l, " must be the level's gradient ", shape.DebugString(), ", got ",
+                                    base.shape().DebugString()));
+        OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({kFirstBase + l}, l, shape, &out));
+        if (out->flat<float>().data() != base.flat<float>().data()) base_data[l] = base.flat<float>().data();
+      } else {
+        OP_REQUIRES_OK(context, context->allocate_output(l, shape, &out));
+      }
       grad_data[l] = out->flat<float>().data();
       cells[l] = batch * sizes(l, 0) * sizes(l, 1);
     }
-    // Zero the (large, dense) gradients in parallel, one level at a time.
+    // Start the (large, dense) gradients from zeros or from a base not forwarded, in parallel, one level at a
+    // time; a forwarded base is already in place.
     for (int l = 0; l < num_levels_; ++l) {
+      if (num_base_ > 0 && base_data[l] == nullptr) continue;
       float* data = grad_data[l];
+      const float* from = base_data[l];
       ParallelFor(context, cells[l], channels, [&](int64_t begin, int64_t end) {
-        std::memset(data + begin * channels, 0, (end - begin) * channels * sizeof(float));
+        if (from == nullptr) {
+          std::memset(data + begin * channels, 0, (end - begin) * channels * sizeof(float));
+        } else {
+          std::memcpy(data + begin * channels, from + begin * channels, (end - begin) * channels * sizeof(float));
+        }
       });
     }
 
@@ -311,7 +335,7 @@ class RoiAlignGradOp : public OpKernel {
   }
 
  private:
-  int num_levels_, min_level_, sampling_ratio_;
+  int num_levels_, num_base_, min_level_, sampling_ratio_;
   bool aligned_;
 };
 

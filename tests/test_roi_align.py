@@ -383,6 +383,63 @@ def test_roi_align_gradient_matches_twin(rng, aligned):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_roi_aligns_of_shared_features_have_one_gradient(rng):
+    """fused.multilevel_roi_aligns: each call's output is the twin's, and the features' gradient is the sum of
+    the calls' gradients, made as one chain (each grad op adds into the one before it)."""
+    image_hw = (64, 96)
+    features = {k: tf.constant(v) for k, v in random_pyramid(rng, 2, image_hw, (2, 3, 4), 6).items()}
+    boxes = [edge_case_boxes(rng, image_hw), random_boxes(rng, 2, 4, image_hw)]
+    sizes = [3, 5]
+    upstream = [tf.constant(rng.normal(size=(2, b.shape[1], r, r, 6)).astype(np.float32))
+                for b, r in zip(boxes, sizes)]
+
+    def value_and_grad(align):
+        with tf.GradientTape() as tape:
+            tape.watch(features)
+            pooled = align()
+            loss = sum(tf.reduce_sum(p * u) for p, u in zip(pooled, upstream))
+        return pooled, tape.gradient(loss, features)
+
+    (got, got_grad), (want, want_grad) = [value_and_grad(align) for align in (
+        lambda: fused.multilevel_roi_aligns(features, boxes, sizes),
+        lambda: [roi_align.multilevel_roi_align(features, b, r) for b, r in zip(boxes, sizes)])]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5)
+    for level in features:
+        assert got_grad[level].shape == features[level].shape
+        np.testing.assert_allclose(got_grad[level].numpy(), want_grad[level].numpy(), atol=1e-5)
+
+    graph = tf.function(lambda: value_and_grad(
+        lambda: fused.multilevel_roi_aligns(features, boxes, sizes))).get_concrete_function().graph
+    first, second = [op for op in graph.get_operations() if op.type == "MrcnnRoiAlignGrad"]
+    assert first.get_attr("num_base") == 0
+    assert [t.op for t in second.inputs[4:]] == [first] * 3  # the first's level gradients, one per level
+
+
+def test_roi_align_grad_adds_into_its_base(rng):
+    """MrcnnRoiAlignGrad with a base per level: base + the gradient, the caller's base unchanged; a base of
+    the wrong shape or count is a clear error."""
+    lib = fused.load_library()
+    features = random_pyramid(rng, 1, (32, 32), (2, 3), 4)
+    boxes = tf.constant(random_boxes(rng, 1, 5, (32, 32)))
+    levels = tf.constant(rng.integers(0, 2, size=(1, 5)), tf.int32)
+    grad = tf.constant(rng.normal(size=(1, 5, 3, 3, 4)).astype(np.float32))
+    sizes = tf.constant([[8, 8], [4, 4]], tf.int32)
+    base = [tf.constant(v) for v in random_pyramid(rng, 1, (32, 32), (2, 3), 4).values()]
+    kept = [b.numpy() for b in base]
+    attrs = dict(num_levels=2, min_level=2, sampling_ratio=2)
+    alone = lib.mrcnn_roi_align_grad(grad, boxes, levels, sizes, [], **attrs)
+    added = lib.mrcnn_roi_align_grad(grad, boxes, levels, sizes, base, **attrs)
+    for a, s, b, k in zip(alone, added, base, kept):
+        assert np.abs(a.numpy()).max() > 0
+        np.testing.assert_allclose(s.numpy(), k + a.numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(b.numpy(), k)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="base 1 must be the level's gradient"):
+        lib.mrcnn_roi_align_grad(grad, boxes, levels, sizes, [base[0], base[0]], **attrs)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="num_base must be 0 or num_levels"):
+        lib.mrcnn_roi_align_grad(grad, boxes, levels, sizes, base[:1], **attrs)
+
+
 def test_roi_align_bfloat16_and_inside_tf_function(rng):
     features = {k: tf.cast(v, tf.bfloat16) for k, v in random_pyramid(rng, 1, (64, 64), (2, 3), 4).items()}
     boxes = tf.constant(random_boxes(rng, 1, 5, (64, 64)))

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from mrcnn_tf2.model import losses as loss_fns
+from mrcnn_tf2.model.stages import align_together
 from mrcnn_tf2.model.tracking import TracksSublayers
 
 # RoIs are pooled from P2..P5 (Mask R-CNN's level rule never reaches P6, which only feeds the RPN).
@@ -120,14 +121,21 @@ class MaskRCNN(TracksSublayers, keras.Model):
         )
         sample = self.roi_sampler(tf.stop_gradient(proposals["rois"]), inputs["gt_boxes"], inputs["gt_classes"])
         roi_maps = {level: f for level, f in features.items() if level <= ROI_MAX_LEVEL}
-        outputs.update(self._dense(self.box_head, self.box_roi_aligner(roi_maps, sample["rois"]), training))
+        if self.mask_head is None:
+            box_features = self.box_roi_aligner(roi_maps, sample["rois"])
+        else:
+            # Both RoIAligns at once: their gradients of the feature maps are one (align_together).
+            fg = self._foreground_slots(sample)
+            box_features, mask_features = align_together(
+                [self.box_roi_aligner, self.mask_roi_aligner], roi_maps, [sample["rois"], sample["rois"][:, fg]])
+        outputs.update(self._dense(self.box_head, box_features, training))
         outputs.update(sample)
         if self.mask_head is not None:
-            outputs.update(self._mask_branch_train(inputs, roi_maps, sample, training))
+            outputs.update(self._mask_branch_train(inputs, mask_features, sample, fg, training))
         return outputs
 
-    def _mask_branch_train(self, inputs, roi_maps, sample, training):
-        """Mask logits and targets for the foreground RoIs: the first F sampled slots.
+    def _foreground_slots(self, sample):
+        """The slice of the first F sampled slots, which hold every foreground RoI.
 
         sample_rois puts foreground slots first and never samples more than max_foreground of them, so
         the first F = (most foreground slots of any image in the batch, at least 1) slots hold every
@@ -135,12 +143,14 @@ class MaskRCNN(TracksSublayers, keras.Model):
         mask head, the costliest part of the step, runs on no slot that no image needs.
         """
         is_fg = sample["is_foreground"][:, :self.roi_sampler.max_foreground]
-        num_fg = tf.maximum(tf.reduce_max(tf.reduce_sum(tf.cast(is_fg, tf.int32), axis=1)), 1)
-        fg = slice(0, num_fg)
+        return slice(0, tf.maximum(tf.reduce_max(tf.reduce_sum(tf.cast(is_fg, tf.int32), axis=1)), 1))
+
+    def _mask_branch_train(self, inputs, mask_features, sample, fg, training):
+        """Mask logits and targets for the foreground RoIs, the slots `fg` (`_foreground_slots`), from their
+        RoI features [B, F, S, S, C]."""
         fg_rois = sample["rois"][:, fg]
         fg_classes = sample["class_targets"][:, fg]
         fg_gt = sample["matched_gt_indices"][:, fg]
-        mask_features = self.mask_roi_aligner(roi_maps, fg_rois)
         return {
             "mask_logits": self._dense(self.mask_head, (mask_features, fg_classes), training),
             "mask_targets": self.mask_target_generator(

@@ -92,6 +92,16 @@ class RoIAligner:
         return self._align(features, boxes, self.output_size, self.sampling_ratio, self.aligned)
 
 
+def align_together(aligners, features, boxes):
+    """[aligner(features, b) for aligner, b in zip(aligners, boxes)] with one feature gradient where the
+    aligners are fused and sample alike (`fused_ops.multilevel_roi_aligns`): each adds into the gradient of the
+    ones before it in place, where TensorFlow would hold one gradient of the features' size per aligner."""
+    if all(a.fused for a in aligners) and len({(a.sampling_ratio, a.aligned) for a in aligners}) == 1:
+        return fused_ops.multilevel_roi_aligns(features, boxes, [a.output_size for a in aligners],
+                                               aligners[0].sampling_ratio, aligners[0].aligned)
+    return [aligner(features, b) for aligner, b in zip(aligners, boxes, strict=True)]
+
+
 class MaskTargetGenerator:
     """GT mask crops of matched instances -> per-RoI mask targets (`mask_targets`)."""
 

@@ -128,14 +128,60 @@ def multilevel_roi_align(features, boxes, output_size, sampling_ratio=2, aligned
     """
     levels, features, boxes = roi_align.check_arguments(features, boxes, output_size, sampling_ratio, aligned)
     dtype = features[levels[0]].dtype
-    # The twin's own level rule, so that every box reads the same level in both implementations.
-    level_index = roi_align.assign_levels(boxes, levels[0], levels[-1]) - levels[0]
     # The kernel is float32-only; casting here is what the twin does too (float32 arithmetic whatever the
     # features' dtype), and the casts' gradients bring the float32 feature gradient back to the dtype.
     pooled = load_library().mrcnn_roi_align(
-        [tf.cast(features[level], tf.float32) for level in levels], boxes, level_index,
+        [tf.cast(features[level], tf.float32) for level in levels], boxes, _level_index(boxes, levels),
         min_level=levels[0], output_size=output_size, sampling_ratio=sampling_ratio, aligned=aligned)
     return tf.cast(pooled, dtype)
+
+
+def multilevel_roi_aligns(features, boxes, output_sizes, sampling_ratio=2, aligned=True):
+    """[multilevel_roi_align(features, b, R) for b, R in zip(boxes, output_sizes)] with one feature gradient:
+    each call's scatter adds into the gradient of the calls before it, in place. TensorFlow would hold one
+    gradient of the features' size per call and sum them after (two P2-sized ones in a training step's
+    backward pass, for the box and the mask heads).
+
+    Args:
+      features: {level: [B, H_l, W_l, C]} as multilevel_roi_align's.
+      boxes: a list of [B, N_i, 4]; output_sizes: a list of ints R_i, one per call.
+
+    Returns:
+      a list of [B, N_i, R_i, R_i, C] in the features' dtype; differentiable w.r.t. the features only.
+    """
+    calls = [roi_align.check_arguments(features, b, size, sampling_ratio, aligned)
+             for b, size in zip(boxes, output_sizes, strict=True)]
+    levels, features = calls[0][:2]
+    dtype = features[levels[0]].dtype
+    boxes = [b for _, _, b in calls]
+    indices = [_level_index(b, levels) for b in boxes]
+    library = load_library()
+    attrs = dict(min_level=levels[0], sampling_ratio=sampling_ratio, aligned=aligned)
+
+    @tf.custom_gradient
+    def align(*maps):
+        pooled = [library.mrcnn_roi_align(maps, b, index, output_size=size, **attrs)
+                  for b, index, size in zip(boxes, indices, output_sizes)]
+
+        def grad(*pooled_grads):
+            sizes = tf.stack([tf.shape(m)[1:3] for m in maps])  # [L, 2]
+            total = []
+            for pooled_grad, b, index in zip(pooled_grads, boxes, indices):
+                total = library.mrcnn_roi_align_grad(pooled_grad, b, index, sizes, total, num_levels=len(maps),
+                                                     **attrs)
+            for feature_grad, m in zip(total, maps):
+                feature_grad.set_shape(m.shape)
+            return list(total)
+
+        return pooled, grad
+
+    return [tf.cast(p, dtype) for p in align(*[tf.cast(features[level], tf.float32) for level in levels])]
+
+
+def _level_index(boxes, levels):
+    """[B, N] int32: each box's level (the twin's own rule, so that every box reads the same level in both
+    implementations) as an index into `levels`."""
+    return roi_align.assign_levels(boxes, levels[0], levels[-1]) - levels[0]
 
 
 @tf.RegisterGradient("MrcnnRoiAlign")
@@ -146,7 +192,7 @@ def _roi_align_grad(op, grad):
     boxes, levels = op.inputs[num_levels], op.inputs[num_levels + 1]
     sizes = tf.stack([tf.shape(feature)[1:3] for feature in features])  # [L, 2]
     grads = load_library().mrcnn_roi_align_grad(
-        grad, boxes, levels, sizes, num_levels=num_levels, min_level=op.get_attr("min_level"),
+        grad, boxes, levels, sizes, [], num_levels=num_levels, min_level=op.get_attr("min_level"),
         sampling_ratio=op.get_attr("sampling_ratio"), aligned=op.get_attr("aligned"))
     for feature_grad, feature in zip(grads, features):
         feature_grad.set_shape(feature.shape)
