@@ -420,7 +420,6 @@ def test_roi_align_grad_adds_into_its_base(rng):
     """MrcnnRoiAlignGrad with a base per level: base + the gradient, the caller's base unchanged; a base of
     the wrong shape or count is a clear error."""
     lib = fused.load_library()
-    features = random_pyramid(rng, 1, (32, 32), (2, 3), 4)
     boxes = tf.constant(random_boxes(rng, 1, 5, (32, 32)))
     levels = tf.constant(rng.integers(0, 2, size=(1, 5)), tf.int32)
     grad = tf.constant(rng.normal(size=(1, 5, 3, 3, 4)).astype(np.float32))
