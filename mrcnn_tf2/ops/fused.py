@@ -164,14 +164,10 @@ def multilevel_roi_aligns(features, boxes, output_sizes, sampling_ratio=2, align
                   for b, index, size in zip(boxes, indices, output_sizes)]
 
         def grad(*pooled_grads):
-            sizes = tf.stack([tf.shape(m)[1:3] for m in maps])  # [L, 2]
             total = []
             for pooled_grad, b, index in zip(pooled_grads, boxes, indices):
-                total = library.mrcnn_roi_align_grad(pooled_grad, b, index, sizes, total, num_levels=len(maps),
-                                                     **attrs)
-            for feature_grad, m in zip(total, maps):
-                feature_grad.set_shape(m.shape)
-            return list(total)
+                total = _features_grad(pooled_grad, b, index, maps, total, **attrs)
+            return total
 
         return pooled, grad
 
@@ -190,13 +186,18 @@ def _roi_align_grad(op, grad):
     num_levels = op.get_attr("num_levels")
     features = op.inputs[:num_levels]
     boxes, levels = op.inputs[num_levels], op.inputs[num_levels + 1]
+    attrs = {name: op.get_attr(name) for name in ("min_level", "sampling_ratio", "aligned")}
+    return _features_grad(grad, boxes, levels, features, [], **attrs) + [None, None]
+
+
+def _features_grad(grad, boxes, levels, features, base, **attrs):
+    """MrcnnRoiAlignGrad: one RoIAlign's output gradient grad [B, N, R, R, C] scattered onto `features` (a list
+    of [B, H_l, W_l, C]), added into `base` (a list like it, or []). Returns a list like `features`."""
     sizes = tf.stack([tf.shape(feature)[1:3] for feature in features])  # [L, 2]
-    grads = load_library().mrcnn_roi_align_grad(
-        grad, boxes, levels, sizes, [], num_levels=num_levels, min_level=op.get_attr("min_level"),
-        sampling_ratio=op.get_attr("sampling_ratio"), aligned=op.get_attr("aligned"))
+    grads = load_library().mrcnn_roi_align_grad(grad, boxes, levels, sizes, base, num_levels=len(features), **attrs)
     for feature_grad, feature in zip(grads, features):
         feature_grad.set_shape(feature.shape)
-    return list(grads) + [None, None]
+    return list(grads)
 
 
 # -- mask targets -----------------------------------------------------------------------------------------
