@@ -241,6 +241,33 @@ def test_a_batch_of_one_takes_the_onednn_route_in_float32_and_the_direct_conv_in
             assert route_op not in types and types.count("Conv2D") == 1, types
 
 
+def test_a_1x1_conv_of_one_image_of_any_size_is_one_fusable_conv(monkeypatch):
+    """Under oneDNN a 1x1 conv of one image runs as a batch of two, its pixels in two columns, and a strided one
+    on every stride-th pixel first: no transposed conv, no halves concatenated. oneDNN fuses the bias, the
+    residual's add and the ReLU into the conv only where grappler's shape inference finds the add's operands
+    of one shape; with the image's size known only at run time (inference on batches padded to their own
+    size) the sizes are symbols, equal only when one shape is derived from the other."""
+    from tensorflow.python.grappler import item as grappler_item
+
+    monkeypatch.setattr(conv_ops, "ONEDNN", True)
+    w, b = tf.ones([1, 1, 5, 4]), tf.ones([4])
+    for stride in (1, 2):
+        block = tf.function(lambda x, r: conv_ops.conv2d(x, w, stride, "VALID", bias=b, residual=r, relu=True))
+        graph = block.get_concrete_function(tf.TensorSpec([1, None, None, 5]),
+                                            tf.TensorSpec([1, None, None, 4])).graph
+        types = [op.type for op in graph.get_operations()]
+        assert types.count("Conv2D") == 1 and "Conv2DBackpropInput" not in types, types
+        (conv,) = [op for op in graph.get_operations() if op.type == "Conv2D"]
+        assert conv.inputs[0].shape[0] == 2 and conv.get_attr("strides") == [1, 1, 1, 1], conv.node_def
+        meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
+        meta.collection_def["train_op"].node_list.value.append(graph.outputs[0].op.name)
+        inferred = grappler_item.Item(meta).GetOpProperties()
+        (add,) = [op for op in graph.get_operations() if op.type == "AddV2" and "BiasAdd" in
+                  [tensor.op.type for tensor in op.inputs]]
+        left, right = ([dim.size for dim in inferred[t.op.name][t.value_index].shape.dim] for t in add.inputs)
+        assert left == right and left[0] == 2 and left[1] < -1, (left, right)  # -2, -3, ...: a symbol
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_conv_benchmark_times_each_kernel_in_its_dtype(dtype, capsys):
     from scripts import benchmark_conv

@@ -15,12 +15,12 @@ A stride-1 conv with symmetric padding is the transposed conv of the kernel flip
 input and output channels swapped, so under oneDNN `conv2d` computes a batch of one that way. A strided
 conv has no such twin; its batch of one runs as a batch of two, the image's top and bottom halves
 (`split_conv2d`): the ResNet's 3x3/2 128->128 conv on 208x336 took 80 ms as one image, 39 ms as halves.
-A 1x1 stride-1 conv needs neither: its image of even height is a batch of two half-height images by a
-reshape, and runs in oneDNN's batch kernel with the bias, residual and ReLU fused (`conv2d` takes them:
-the transposed route leaves them as separate passes over memory); 64->256 + residual + ReLU on 208x336
-went from 42 to 36 ms. In bfloat16 oneDNN's direct kernels are the faster ones at batch 1 (its batch-of-one
-im2col is float32's), so bfloat16 (and float16, not measured, rare on a CPU) takes neither the transposed nor
-the split route: P2's 3x3 256->256 conv with bias at 200x200 45.8 ms direct against 48.3 transposed, the 3x3/2
+A 1x1 conv needs neither: its image's pixels are a batch of two images of one column by a reshape, and
+run in oneDNN's batch kernel with the bias, residual and ReLU fused (`conv2d` takes them: the transposed
+route leaves them as separate passes over memory); 64->256 + residual + ReLU on 208x336 went from 42 to 36
+ms. A strided 1x1 conv is the stride-1 conv of every stride-th pixel. In bfloat16 oneDNN's direct kernels
+are the faster ones at batch 1 (its batch-of-one im2col is float32's), so bfloat16 (and float16, not
+measured, rare on a CPU) takes neither the transposed nor the split route: P2's 3x3 256->256 conv with bias at 200x200 45.8 ms direct against 48.3 transposed, the 3x3/2
 128->128 on 400x400 12.3 against 17.4 split.
 
 With the fused ops on (route WINOGRAD, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
@@ -226,22 +226,66 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
         raise ValueError(f"conv route {route!r} is not one of {ROUTES}")
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
     kernel = tf.convert_to_tensor(kernel)
-    rows = inputs.shape[1]
-    if route != PLAIN and strides == 1 and tuple(kernel.shape[:2]) == (1, 1):
-        padding = "SAME"  # 'VALID' is the same conv for a 1x1 kernel, and 'SAME' can take the batch-of-one route
-        if ONEDNN and inputs.shape[0] == 1 and rows is not None and rows % 2 == 0:
-            # A 1x1 conv treats every pixel alike, so an image is also two images of half its height: a batch
-            # of two, whose oneDNN kernel fuses bias, residual and ReLU (the transposed route leaves them as
-            # separate passes over memory). No copy: the halves are a reshape.
-            def fold(tensor):
-                return tf.reshape(tensor, tf.concat([[2, rows // 2], tf.shape(tensor)[2:]], 0))
-
-            outputs = _block(fold(inputs), kernel, kernel_scale, 1, padding, bias,
-                             None if residual is None else fold(residual), relu, route)
-            unfolded = tf.reshape(outputs, tf.concat([[1, rows], tf.shape(outputs)[2:]], 0))
-            unfolded.set_shape(inputs.shape[:3] + kernel.shape[3:])
-            return unfolded
+    if route != PLAIN and tuple(kernel.shape[:2]) == (1, 1):
+        if (strides > 1 and padding in ("SAME", "VALID") and ONEDNN and inputs.shape[0] == 1
+                and inputs.dtype == tf.float32):
+            # A strided 1x1 conv reads every stride-th pixel (no padding at either setting): those pixels, a
+            # quarter of the image at stride 2, make the stride-1 conv below, rather than halves of the image.
+            inputs, strides = _subsampled(inputs, strides), 1
+        if strides == 1:
+            padding = "SAME"  # 'VALID' is the same conv for a 1x1 kernel, and 'SAME' can take the batch-of-one route
+        if strides == 1 and ONEDNN and inputs.shape[0] == 1:
+            return _pixel_pairs(lambda x, r: _block(x, kernel, kernel_scale, 1, padding, bias, r, relu, route),
+                                inputs, residual, *kernel.shape[2:])
     return _block(inputs, kernel, kernel_scale, strides, padding, bias, residual, relu, route)
+
+
+def _subsampled(inputs, stride):
+    """inputs[:, ::stride, ::stride]: [B, H, W, C] -> [B, ceil(H / stride), ceil(W / stride), C].
+
+    TensorFlow's strided slice of two inner axes runs element by element (a 208x272x256 image at stride 2 took
+    longer than a 1x1 conv of the result); as a reshape to [B, H / s, s, W / s, s C] (the image zero-padded to
+    multiples of s) and a unit-stride slice of whole pixels it runs as copies of C contiguous values."""
+    shape = tf.shape(inputs)
+    padded = tf.pad(inputs, [[0, 0], [0, -shape[1] % stride], [0, -shape[2] % stride], [0, 0]])
+    size = tf.shape(padded)
+    grid = tf.reshape(padded, tf.stack([size[0], size[1] // stride, stride, size[2] // stride, stride * size[3]]))
+    outputs = grid[:, :, 0, :, :shape[3]]
+    static = [None if n is None else -(-n // stride) for n in inputs.shape[1:3]]
+    outputs.set_shape([inputs.shape[0], *static, inputs.shape[3]])
+    return outputs
+
+
+def _pixel_pairs(block, inputs, residual, c_in, c_out):
+    """A 1x1 conv's `block(x, residual)` of one image run as a batch of two: a 1x1 conv treats every pixel
+    alike, so the image's pixels are also two images of one column each, a zero pixel appended to an odd
+    count and its output dropped. oneDNN's batch kernel then fuses bias, residual and ReLU (the transposed
+    route leaves them as separate passes over memory). For an even count the pad and the cut forward their
+    inputs: no copy.
+
+    Args:
+      block: ([2, P, 1, c_in], [2, P, 1, c_out] or None) -> [2, P, 1, c_out], P = ceil(H * W / 2).
+      inputs: [1, H, W, c_in].
+      residual: [1, H, W, c_out] or None.
+      c_in, c_out: Python ints.
+
+    Returns:
+      [1, H, W, c_out].
+    """
+    shape = tf.shape(inputs)
+    pixels = shape[1] * shape[2]
+
+    def paired(tensor, grid, channels):
+        flat = tf.pad(tf.reshape(tensor, [-1, channels]), [[0, pixels % 2], [0, 0]])
+        return tf.reshape(flat, tf.concat([grid, [channels]], 0))
+
+    x = paired(inputs, [2, (pixels + 1) // 2, 1], c_in)
+    # The residual shaped by x's shape: grappler then sees the conv's output and the residual as one shape
+    # when the image's size is known only at run time, as its fusion of the add into oneDNN's conv requires.
+    outputs = block(x, None if residual is None else paired(residual, tf.shape(x)[:3], c_out))
+    outputs = tf.reshape(tf.reshape(outputs, [-1, c_out])[:pixels], tf.concat([shape[:3], [c_out]], 0))
+    outputs.set_shape(inputs.shape[:3] + [c_out])
+    return outputs
 
 
 def _folded(kernel, scale, dtype):
