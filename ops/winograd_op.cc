@@ -71,10 +71,13 @@ REGISTER_OP("MrcnnWinogradOutputAdjoint")
     .SetShapeFn(TilesShape);
 
 REGISTER_OP("MrcnnWinogradOutput")
-    .Input("products: float")  // [36, T_band, C]: M of the band's tiles
-    .Input("size: int32")      // [3]: B, H, W of the output
+    .Input("products: float")     // [36, T_band, C]: M of the band's tiles
+    .Input("size: int32")         // [3]: B, H, W of the output
+    .Input("bias: num_bias * float")  // none or one [C], added to each block's pixels
     .Attr("first_line: int >= 0 = 0")
-    .Output("output: float")   // [B, H, W, C]: the band's 4x4 blocks, zeros outside the band
+    .Attr("num_bias: int >= 0 = 0")
+    .Attr("relu: bool = false")   // each block's pixels as max(pixel, 0), after the bias
+    .Output("output: float")      // [B, H, W, C]: the band's 4x4 blocks, zeros outside the band
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle products, size;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &products));
@@ -89,7 +92,10 @@ REGISTER_OP("MrcnnWinogradOutput")
 REGISTER_OP("MrcnnWinogradOutputInto")
     .Input("base: float")      // [B, H, W, C]: the output with its earlier bands
     .Input("products: float")  // [36, T_band, C]: M of the band's tiles
+    .Input("bias: num_bias * float")  // as MrcnnWinogradOutput's, for this band's blocks
     .Attr("first_line: int >= 0")
+    .Attr("num_bias: int >= 0 = 0")
+    .Attr("relu: bool = false")
     .Output("output: float")   // [B, H, W, C]: base with the band's 4x4 blocks written (in base's buffer if free)
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle base, products;
@@ -272,8 +278,9 @@ MRCNN_CLONES void AdjointTiles(const Grid& grid, int64_t channels, const float* 
 
 // A^T M A of the band's tiles' products M (rows t in [begin, end)), into the output's 4x4 blocks (cut at the
 // image's edge).
-MRCNN_CLONES void OutputBlocks(const Grid& grid, int64_t channels, const float* products, float* output,
-                               bool streaming, int64_t begin, int64_t end) {
+// bias (C floats or null) and relu: the conv's epilogue, applied to each block before it is stored.
+MRCNN_CLONES void OutputBlocks(const Grid& grid, int64_t channels, const float* products, const float* bias,
+                               bool relu, float* output, bool streaming, int64_t begin, int64_t end) {
   const int64_t point_stride = grid.count * channels;
   alignas(64) float rows[kBlock * kTile][kChannelBlock];   // A^T M: [4][6]
   alignas(64) float block[kBlock * kBlock][kChannelBlock];  // A^T M A: [4][4]
@@ -292,6 +299,12 @@ MRCNN_CLONES void OutputBlocks(const Grid& grid, int64_t channels, const float* 
       }
       for (int i = 0; i < kBlock; ++i) {
         OutputRows(rows[i * kTile], kChannelBlock, block[i * kBlock], kChannelBlock, n);
+      }
+      for (int k = 0; bias != nullptr && k < kBlock * kBlock; ++k) {
+        for (int c = 0; c < n; ++c) block[k][c] += bias[c0 + c];
+      }
+      for (int k = 0; relu && k < kBlock * kBlock; ++k) {
+        for (int c = 0; c < n; ++c) block[k][c] = std::max(block[k][c], 0.0f);
       }
       for (int i = 0; i < kBlock && y0 + i < grid.height; ++i) {
         for (int j = 0; j < kBlock && x0 + j < grid.width; ++j) {
@@ -353,6 +366,10 @@ class BandOutputOp : public OpKernel {
  public:
   BandOutputOp(OpKernelConstruction* context, bool into) : OpKernel(context), into_(into) {
     OP_REQUIRES_OK(context, context->GetAttr("first_line", &first_line_));
+    OP_REQUIRES_OK(context, context->GetAttr("relu", &relu_));
+    int num_bias = 0;
+    OP_REQUIRES_OK(context, context->GetAttr("num_bias", &num_bias));
+    OP_REQUIRES(context, num_bias <= 1, InvalidArgument("at most one bias, got ", num_bias));
   }
 
   void Compute(OpKernelContext* context) override {
@@ -399,18 +416,28 @@ class BandOutputOp : public OpKernel {
         std::fill_n(output_tensor->flat<float>().data(), output_tensor->NumElements(), 0.0f);
       }
     }
+    OpInputList biases;
+    OP_REQUIRES_OK(context, context->input_list("bias", &biases));
+    const float* bias = nullptr;
+    if (biases.size() == 1) {
+      OP_REQUIRES(context, biases[0].dims() == 1 && biases[0].dim_size(0) == shape.dim_size(3),
+                  InvalidArgument("bias must be [C] for an output of ", shape.DebugString(), ", got ",
+                                  biases[0].shape().DebugString()));
+      bias = biases[0].flat<float>().data();
+    }
     float* output = output_tensor->flat<float>().data();
     const float* products = products_tensor.flat<float>().data();
     const int64_t channels = shape.dim_size(3);
     const bool streaming = CanStream(output, channels);
     ParallelFor(context, grid.count, kPoints * channels * 8, [&](int64_t begin, int64_t end) {
-      OutputBlocks(grid, channels, products, output, streaming, begin, end);
+      OutputBlocks(grid, channels, products, bias, relu_, output, streaming, begin, end);
     });
   }
 
  private:
   const bool into_;
   int64_t first_line_;
+  bool relu_ = false;
 };
 
 class WinogradOutputOp : public BandOutputOp {

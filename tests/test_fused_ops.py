@@ -207,19 +207,28 @@ def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
 def test_winograd_outputs_write_their_band_and_keep_the_rest(library, rng):
     """MrcnnWinogradOutput writes the 4x4 blocks of its band's tiles into zeros, MrcnnWinogradOutputInto into
     base, and the other lines stay as they were (base is also the caller's here, so the op copies it rather
-    than writing in place, and the caller's base is unchanged)."""
+    than writing in place, and the caller's base is unchanged). With a bias and relu, the band's blocks are
+    max(block + bias, 0) and nothing else changes."""
     products = tf.constant(rng.normal(size=[36, 2, 3]), tf.float32)  # one line of 2 tiles
     size = tf.constant([2, 8, 6])  # 2 lines of tiles per image, 2 tiles across
     # The band as line 1 (the first image's second tile row) of a whole output whose other tiles are zeros.
     whole = library.mrcnn_winograd_output(tf.concat([tf.zeros([36, 2, 3]), products, tf.zeros([36, 4, 3])], 1),
-                                          size).numpy()
+                                          size, bias=[]).numpy()
     assert np.all(whole[0, 4:8] != 0) and not np.any(np.delete(whole, [4, 5, 6, 7], 1)) and not np.any(whole[1])
-    np.testing.assert_array_equal(library.mrcnn_winograd_output(products, size, first_line=1).numpy(), whole)
-    base = tf.fill([2, 8, 6, 3], 7.0)
-    want = np.full([2, 8, 6, 3], 7.0, np.float32)
-    want[0, 4:8] = whole[0, 4:8]
-    np.testing.assert_array_equal(library.mrcnn_winograd_output_into(base, products, first_line=1).numpy(), want)
-    np.testing.assert_array_equal(base.numpy(), 7.0)
+    bias = np.float32([0.5, -0.25, 2.0])
+    for epilogue in ({"bias": []}, {"bias": [bias]}, {"bias": [], "relu": True}, {"bias": [bias], "relu": True}):
+        band = whole.copy()
+        band[0, 4:8] += bias if epilogue["bias"] else 0
+        band[0, 4:8] = np.maximum(band[0, 4:8], 0) if epilogue.get("relu") else band[0, 4:8]
+        assert np.any(band[0, 4:8] < 0) != epilogue.get("relu", False)
+        np.testing.assert_array_equal(
+            library.mrcnn_winograd_output(products, size, first_line=1, **epilogue).numpy(), band)
+        base = tf.fill([2, 8, 6, 3], -7.0)
+        want = np.full([2, 8, 6, 3], -7.0, np.float32)
+        want[0, 4:8] = band[0, 4:8]
+        np.testing.assert_array_equal(
+            library.mrcnn_winograd_output_into(base, products, first_line=1, **epilogue).numpy(), want)
+        np.testing.assert_array_equal(base.numpy(), -7.0)
 
 
 @pytest.mark.onednn
@@ -240,6 +249,10 @@ def test_conv2d_with_fused_3x3_keeps_the_gradient(rng, monkeypatch):
     for name, got, want in zip(("output", "x", "kernel", "bias"), *results):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4 * np.abs(want).max(),
                                    err_msg=name)
+    # The bias and the ReLU are the output transform's: no passes of their own.
+    forward = tf.function(lambda x: conv_ops.conv2d(x, w, bias=b, relu=True, route=conv_ops.WINOGRAD))
+    types = [op.type for op in forward.get_concrete_function(x).graph.get_operations()]
+    assert "MrcnnWinogradOutput" in types and "BiasAdd" not in types and "Relu" not in types, types
 
     def gradients(x, w):
         with tf.GradientTape() as tape:
@@ -278,13 +291,17 @@ def test_conv2d_takes_winograd_only_where_it_pays(monkeypatch):
 def test_winograd_ops_name_a_wrong_band(library):
     base = tf.zeros([1, 8, 8, 3])  # 2 lines of 2 tiles
     with pytest.raises(tf.errors.InvalidArgumentError, match="5 tiles, not whole lines of the 2 tiles across"):
-        library.mrcnn_winograd_output(tf.zeros([36, 5, 3]), tf.constant([1, 8, 8]))
+        library.mrcnn_winograd_output(tf.zeros([36, 5, 3]), tf.constant([1, 8, 8]), bias=[])
     with pytest.raises(tf.errors.InvalidArgumentError, match="band of 2 lines from line 1 is past the 2 lines"):
-        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 3]), first_line=1)
+        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 3]), bias=[], first_line=1)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"products must be \[36, T, C\], got \[36,4\]"):
-        library.mrcnn_winograd_output(tf.zeros([36, 4]), tf.constant([1, 8, 8]))
+        library.mrcnn_winograd_output(tf.zeros([36, 4]), tf.constant([1, 8, 8]), bias=[])
     with pytest.raises(tf.errors.InvalidArgumentError, match="do not have the channels of the output"):
-        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 2]), first_line=0)
+        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 2]), bias=[], first_line=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"bias must be \[C\] for an output of \[1,8,8,3\]"):
+        library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 3]), bias=[tf.zeros([2])], first_line=0)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="at most one bias, got 2"):
+        library.mrcnn_winograd_output(tf.zeros([36, 4, 3]), tf.constant([1, 8, 8]), bias=[tf.zeros([3])] * 2)
     with pytest.raises(tf.errors.InvalidArgumentError, match="band of 1 lines from line 2 is past the 2 lines"):
         library.mrcnn_winograd_input(base, first_line=2, lines=1)
 

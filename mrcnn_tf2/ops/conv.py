@@ -295,7 +295,10 @@ def _folded(kernel, scale, dtype):
 
 def _block(inputs, kernel, scale, strides, padding, bias, residual, relu, route):
     """conv2d's block: the conv (on the CPU routes under its custom gradient) followed by the ops oneDNN
-    fuses into it."""
+    fuses into it, or Winograd's output transform applies."""
+    if (route != PLAIN and residual is None and (bias is not None or relu)
+            and _winograd(inputs, kernel, strides, padding, route)):
+        return _cpu_conv(inputs, kernel, scale, strides, padding, route, bias, relu)
     if route == PLAIN:
         outputs = tf.nn.conv2d(inputs, _folded(kernel, scale, inputs.dtype), strides, padding)
     else:
@@ -307,23 +310,31 @@ def _block(inputs, kernel, scale, strides, padding, bias, residual, relu, route)
     return tf.nn.relu(outputs) if relu else outputs
 
 
-def _cpu_conv(inputs, kernel, scale, strides, padding, route):
+def _cpu_conv(inputs, kernel, scale, strides, padding, route, bias=None, relu=False):
     """The conv of the CPU routes (`_forward`) of kernel * scale (`_folded`) under their gradient:
-    `kernel_gradient` at stride 1, both gradients by Winograd's route where the forward took it."""
+    `kernel_gradient` at stride 1, both gradients by Winograd's route where the forward took it. bias and
+    relu, for a conv that takes Winograd's route only: its output transform adds the bias and applies the
+    ReLU, and the gradient is theirs too (TensorFlow's kernels of BiasAdd's and Relu's gradients)."""
     kernel_shape = tuple(kernel.shape)
+    has_scale = scale is not None
 
     @tf.custom_gradient
-    def convolve(x, raw, *scales):
+    def convolve(x, raw, *extra):
+        scales, biases = extra[:has_scale], extra[has_scale:]
+
         def grad(out_grad):
+            if relu:
+                out_grad = tf.raw_ops.ReluGrad(gradients=out_grad, features=outputs)
+            bias_grads = [tf.raw_ops.BiasAddGrad(out_backprop=out_grad)] if biases else []
             if not scales:
-                return conv_grad(out_grad, raw)
+                return (*conv_grad(out_grad, raw), *bias_grads)
             # The folded kernel made again once the output gradient exists: made from the forward pass's
             # values alone, the executor would run it at once and hold it until the gradient came.
             with tf.control_dependencies([out_grad]):
                 folded = _folded(raw, scales[0], x.dtype)
             input_grad, kernel_grad = conv_grad(out_grad, folded)
             kernel_grad = tf.cast(kernel_grad, tf.float32)
-            return input_grad, kernel_grad * scales[0], tf.reduce_sum(kernel_grad * raw, [0, 1, 2])
+            return input_grad, kernel_grad * scales[0], tf.reduce_sum(kernel_grad * raw, [0, 1, 2]), *bias_grads
 
         def conv_grad(out_grad, w):
             if _winograd(x, w, strides, padding, route):
@@ -355,6 +366,12 @@ def _cpu_conv(inputs, kernel, scale, strides, padding, route):
                 input_grad = tf.slice(input_grad, [0, padding[1][0], padding[2][0], 0], tf.shape(x))
             return input_grad, tf.raw_ops.Conv2DBackpropFilter(input=padded, filter_sizes=tf.shape(w), **conv)
 
-        return _forward(x, _folded(raw, scales[0] if scales else None, x.dtype), strides, padding, route), grad
+        w = _folded(raw, scales[0] if scales else None, x.dtype)
+        if biases or relu:
+            outputs = fused_ops.conv2d_3x3(x, w, *biases, relu=relu)
+        else:
+            outputs = _forward(x, w, strides, padding, route)
+        return outputs, grad
 
-    return convolve(inputs, kernel, *([] if scale is None else [scale]))
+    # Variables read here, as conv2d reads the kernel.
+    return convolve(inputs, kernel, *[tf.convert_to_tensor(tensor) for tensor in (scale, bias) if tensor is not None])

@@ -280,16 +280,20 @@ _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32
 _WINOGRAD_BAND_BYTES = 32 * 2**20
 
 
-def conv2d_3x3(inputs, kernel):
-    """Fused tf.nn.conv2d(inputs, kernel, 1, 'SAME') for a 3x3 kernel, by Winograd's F(4x4, 3x3).
+def conv2d_3x3(inputs, kernel, bias=None, relu=False):
+    """Fused tf.nn.conv2d(inputs, kernel, 1, 'SAME') for a 3x3 kernel, by Winograd's F(4x4, 3x3), then + bias
+    and ReLU if asked.
 
     36 matrix products [T, C_in] x [C_in, C_out] over the T 4x4 output blocks replace the 144 of a direct
-    conv; the kernels transform the pixels to and from Winograd's domain. Float rounding differs from the
-    twin's by about 1e-5 of the output's scale. No gradient: conv_ops.conv2d's custom gradient has its own.
+    conv; the kernels transform the pixels to and from Winograd's domain, the output transform adding the
+    bias and applying the ReLU as it writes each block (no passes of their own). Float rounding differs from
+    the twin's by about 1e-5 of the output's scale. No gradient: conv_ops.conv2d's custom gradient has its own.
 
     Args:
       inputs: [B, H, W, C_in] float32.
       kernel: [3, 3, C_in, C_out] float32.
+      bias: [C_out] float32 or None.
+      relu: whether max(output, 0) ends it.
 
     Returns:
       [B, H, W, C_out] float32.
@@ -308,8 +312,9 @@ def conv2d_3x3(inputs, kernel):
         with tf.control_dependencies([] if outputs is None else [outputs]):
             tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines)
         products = tf.matmul(tiles, transformed)  # [36, T_band, C_out]
-        outputs = (library.mrcnn_winograd_output(products, tf.shape(inputs)[:3], first_line=first_line)
-                   if outputs is None else library.mrcnn_winograd_output_into(outputs, products, first_line=first_line))
+        epilogue = dict(bias=[] if bias is None else [bias], relu=relu, first_line=first_line)
+        outputs = (library.mrcnn_winograd_output(products, tf.shape(inputs)[:3], **epilogue) if outputs is None
+                   else library.mrcnn_winograd_output_into(outputs, products, **epilogue))
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
     return outputs
 
