@@ -10,7 +10,8 @@ layers) included, and each CPU route is recognised by what only it puts there:
   with a '_gradient_op_type' of 'CustomGradient-...'; TensorFlow's own conv gradient instead gives every
   stride-1 Conv2D its stride-1 Conv2DBackpropFilter;
 - oneDNN's batch-of-one routes: a forward Conv2DBackpropInput beyond the mask head's transposed conv (the
-  transposed route), and convs over a batch of two halves of the one image (split_conv2d, the 1x1 fold).
+  transposed route), and convs over a batch of two made of the one image (split_conv2d's halves, a 1x1 conv's
+  pixels in two columns).
 """
 
 import collections

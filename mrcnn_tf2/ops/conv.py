@@ -15,13 +15,14 @@ A stride-1 conv with symmetric padding is the transposed conv of the kernel flip
 input and output channels swapped, so under oneDNN `conv2d` computes a batch of one that way. A strided
 conv has no such twin; its batch of one runs as a batch of two, the image's top and bottom halves
 (`split_conv2d`): the ResNet's 3x3/2 128->128 conv on 208x336 took 80 ms as one image, 39 ms as halves.
-A 1x1 conv needs neither: its image's pixels are a batch of two images of one column by a reshape, and
-run in oneDNN's batch kernel with the bias, residual and ReLU fused (`conv2d` takes them: the transposed
-route leaves them as separate passes over memory); 64->256 + residual + ReLU on 208x336 went from 42 to 36
-ms. A strided 1x1 conv is the stride-1 conv of every stride-th pixel. In bfloat16 oneDNN's direct kernels
-are the faster ones at batch 1 (its batch-of-one im2col is float32's), so bfloat16 (and float16, not
-measured, rare on a CPU) takes neither the transposed nor the split route: P2's 3x3 256->256 conv with bias
-at 200x200 45.8 ms direct against 48.3 transposed, the 3x3/2 128->128 on 400x400 12.3 against 17.4 split.
+A 1x1 conv needs neither: its image's pixels are a batch of two images of one column by a reshape (and a
+zero pixel for an odd count), and run in oneDNN's batch kernel with the bias, residual and ReLU fused
+(`conv2d` takes them: the transposed route leaves them as separate passes over memory); 64->256 + residual
++ ReLU on 208x336 went from 42 to 36 ms. A strided 1x1 conv is the stride-1 conv of every stride-th pixel.
+In bfloat16 oneDNN's direct kernels are the faster ones at batch 1 (its batch-of-one im2col is float32's),
+so bfloat16 (and float16, not measured, rare on a CPU) takes neither the transposed nor the split route:
+P2's 3x3 256->256 conv with bias at 200x200 45.8 ms direct against 48.3 transposed, the 3x3/2 128->128 on
+400x400 12.3 against 17.4 split.
 
 With the fused ops on (route WINOGRAD, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
 WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix
