@@ -235,9 +235,9 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
             inputs, strides = _subsampled(inputs, strides), 1
         if strides == 1:
             padding = "SAME"  # 'VALID' is the same conv for a 1x1 kernel, and 'SAME' can take the batch-of-one route
-        if strides == 1 and ONEDNN and inputs.shape[0] == 1:
-            return _pixel_pairs(lambda x, r: _block(x, kernel, kernel_scale, 1, padding, bias, r, relu, route),
-                                inputs, residual, *kernel.shape[2:])
+            if ONEDNN and inputs.shape[0] == 1:
+                return _pixel_pairs(lambda x, r: _block(x, kernel, kernel_scale, 1, padding, bias, r, relu, route),
+                                    inputs, residual, *kernel.shape[2:])
     return _block(inputs, kernel, kernel_scale, strides, padding, bias, residual, relu, route)
 
 
