@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/benchmark_conv.py [--shape B H W C] [--repeats 3] [--dtype bfloat16]
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py
+    TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py --strided 3 --shape 1 200 272 128
 
 Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RPN head's conv on P2 of an
 832x1344 batch of 2): the forward conv, the input gradient, TensorFlow's kernel gradient
@@ -12,8 +13,14 @@ the two kernel gradients and the two forwards agree. TensorFlow reads TF_ENABLE_
 import: run the script once per setting to compare them. `--dtype bfloat16` times the kernels in bfloat16, as
 `--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it beside the float32 default to see
 what a CPU's bfloat16 instructions give.
+
+`--strided K` times instead a KxK C->C conv of stride 2 and padding (K - 1) // 2 on one image (B = 1; the
+ResNet's strided 3x3 convs), whose height and width are known only at run time, as in `main.py infer`: the
+direct conv against mrcnn_tf2.ops.conv.split_conv2d (the image as its two halves, the route conv2d takes for
+it in float32 under oneDNN), which is faster depends on the CPU.
 """
 import argparse
+import functools
 import os
 import time
 
@@ -25,7 +32,10 @@ def main(argv=None):
     parser.add_argument("--shape", type=int, nargs=4, default=(2, 208, 336, 256), metavar=("B", "H", "W", "C"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--strided", type=int, metavar="K", help="a KxK stride-2 conv of one image instead")
     args = parser.parse_args(argv)
+    if args.strided is not None and args.shape[0] != 1:
+        parser.error(f"--strided times one image: --shape's B must be 1, not {args.shape[0]}")
     # After parsing, so that --help answers at once. Not main.py's start-up (import_tensorflow): that turns
     # oneDNN on, and this script compares TensorFlow's default with TF_ENABLE_ONEDNN_OPTS set by the caller.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -36,6 +46,8 @@ def main(argv=None):
 
     fused_ops.load_library()  # fail here, clearly, when the library is not built
     batch, height, width, channels = args.shape
+    if args.strided is not None:
+        return strided(args, tf, conv_ops)
     kernel_shape = (3, 3, channels, channels)
     # Fixed inputs: the same agreement figures on every run.
     x = tf.cast(tf.random.stateless_normal(args.shape, seed=[0, 1]), args.dtype)
@@ -67,10 +79,39 @@ def main(argv=None):
     computed = kernels["forward"]().dtype.name  # what ran, not what was asked for
     print(f"3x3 conv {channels}->{channels} on [{batch}, {height}, {width}, {channels}] in {computed}: {gflop:.1f} "
           f"GFLOP per kernel, TF_ENABLE_ONEDNN_OPTS={onednn}; {agreement}")
+    report(kernels, args.repeats, gflop)
+
+
+def strided(args, tf, conv_ops):
+    """--strided: the direct conv and split_conv2d of one image with run-time sizes, checked to agree."""
+    _, height, width, channels = args.shape
+    size = args.strided
+    x = tf.cast(tf.random.stateless_normal(args.shape, seed=[0, 1]), args.dtype)
+    kernel = tf.cast(tf.random.stateless_normal((size, size, channels, channels), seed=[0, 3], stddev=0.05),
+                     args.dtype)
+    pad = (size - 1) // 2
+    padding = [[0, 0], [pad, pad], [pad, pad], [0, 0]]
+    signature = [tf.TensorSpec([1, None, None, channels], args.dtype)]  # sizes known at run time only
+    convs = {"direct": lambda image: tf.nn.conv2d(image, kernel, 2, padding),
+             "halves (split_conv2d)": lambda image: conv_ops.split_conv2d(image, kernel, 2, padding)}
+    kernels = {name: functools.partial(tf.function(conv, input_signature=signature), x)
+               for name, conv in convs.items()}
+    direct, halves = (tf.cast(fn(), tf.float32).numpy() for fn in kernels.values())
+    error = np.abs(halves - direct).max() / np.abs(direct).max()
+    out_h, out_w = direct.shape[1:3]
+    gflop = 2.0 * out_h * out_w * size * size * channels * channels / 1e9
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
+    print(f"{size}x{size}/2 conv {channels}->{channels} on [1, {height}, {width}, {channels}] in {args.dtype}: "
+          f"{gflop:.1f} GFLOP, TF_ENABLE_ONEDNN_OPTS={onednn}; the two differ by {error:.1e} of the largest")
+    report(kernels, args.repeats, gflop)
+
+
+def report(kernels, repeats, gflop):
+    """Prints each kernel's median milliseconds over `repeats` calls after one warm-up, and its GFLOP/s."""
     for name, fn in kernels.items():
         fn().numpy()
         times = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             start = time.perf_counter()
             fn().numpy()
             times.append(time.perf_counter() - start)
