@@ -283,6 +283,7 @@ def test_the_conv_benchmark_times_each_kernel_in_its_dtype(dtype, capsys):
     timed = [line.split("  ")[1].strip() for line in lines[1:]]
     expected = ["forward", "input gradient", "kernel gradient, TensorFlow", "kernel gradient, matrix products"]
     assert timed == expected + (["forward, Winograd (fused ops)"] if dtype == "float32" else []), lines
+    assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
 
 
 def test_the_conv_benchmark_times_a_strided_conv_of_one_image_both_ways(capsys):
@@ -295,7 +296,7 @@ def test_the_conv_benchmark_times_a_strided_conv_of_one_image_both_ways(capsys):
     error = float(lines[0].split("the two differ by ")[1].split()[0])
     assert error <= 1e-5, lines[0]  # two kernels' float rounding (1e-6 at the ResNet's sizes); a wrong one: ~1
     assert [line.split("  ")[1].strip() for line in lines[1:]] == ["direct", "halves (split_conv2d)"], lines
+    assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
     with pytest.raises(SystemExit) as raised:  # a batch of two is not what the halves' route serves
         benchmark_conv.main(["--strided", "3", "--shape", "2", "11", "13", "8"])
     assert raised.value.code == 2 and "--shape's B must be 1, not 2" in capsys.readouterr().err
-    assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
