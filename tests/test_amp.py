@@ -232,42 +232,40 @@ def test_non_finite_loss_stops_a_float16_run(tmp_path, shapes_records):
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{failed_step - 1}")
 
 
-def trained(tmp_path, data_dir, steps, amp_dtype):
+def resumed(tmp_path, data_dir, steps, amp_dtype, before, fresh_scale=False):
+    """A Trainer of `steps` steps under `amp_dtype` on the model directory that `before` (a Trainer that ran, or
+    None) trained: it restores `before`'s weights, momentum and iterations (and, with `fresh_scale`, starts the
+    loss scale anew), then runs to `steps`."""
     trainer = train_runtime.Trainer(run_config(tmp_path, data_dir, steps, amp_dtype))
+    if before is not None:
+        batch = next(iter(trainer.dataset(0)))
+        logger = train_runtime.RunLogger(str(tmp_path / "resume.jsonl"))
+        done = int(before.step.numpy())
+        assert trainer._restore_or_initialise(batch, logger) == done
+        logger.close()
+        for variable, value in zip(trainer.model.weights, before.model.weights):
+            np.testing.assert_array_equal(variable.numpy(), value.numpy(), err_msg=variable.path)
+        for variable, value in zip(trainer.sgd.variables, before.sgd.variables):
+            np.testing.assert_array_equal(variable.numpy(), value.numpy(), err_msg=variable.path)
+        assert int(trainer.sgd.iterations.numpy()) == done
+        if fresh_scale:
+            assert float(trainer.optimizer.dynamic_scale) == train_runtime.INITIAL_LOSS_SCALE
+            assert int(trainer.optimizer.step_counter.numpy()) == 0
     assert trainer.run() == 0
+    assert int(trainer.step.numpy()) == int(trainer.sgd.iterations.numpy()) == steps
     return trainer
 
 
-@pytest.mark.timeout(300)  # three float16 or float32 runs of the small model on one model directory
-@pytest.mark.parametrize("first, second", [(None, "float16"), ("float16", None)])
-def test_resume_with_amp_switched(tmp_path, shapes_records, capsys, first, second):
-    """A model_dir trained with and then without float16 loss scaling, or the other way round, resumes:
-    weights, step, iterations and schedule kept; the loss scale starts fresh where it did not exist."""
+@pytest.mark.timeout(300)  # four float16 or float32 runs of the small model on one model directory
+def test_resume_with_amp_switched(tmp_path, shapes_records, capsys):
+    """A model_dir trained without, then with float16 loss scaling, then without and with again, resumes at each
+    switch: weights, step, iterations and schedule kept; the loss scale starts fresh where it did not exist, and
+    the scale the float16 run left is carried through the float32 run after it."""
     data_dir = shapes_records["data_dir"]
-    before = trained(tmp_path, data_dir, 2, first)
-    weights = [v.numpy() for v in before.model.weights]
-    momentum = [v.numpy() for v in before.sgd.variables]
-    after = train_runtime.Trainer(run_config(tmp_path, data_dir, 4, second))
-    batch = next(iter(after.dataset(0)))
-    logger = train_runtime.RunLogger(str(tmp_path / "resume.jsonl"))
-    assert after._restore_or_initialise(batch, logger) == 2
-    logger.close()
-    for variable, value in zip(after.model.weights, weights):
-        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
-    for variable, value in zip(after.sgd.variables, momentum):
-        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
-    assert int(after.sgd.iterations.numpy()) == 2
-    if second == "float16":
-        assert float(after.optimizer.dynamic_scale) == train_runtime.INITIAL_LOSS_SCALE
-        assert int(after.optimizer.step_counter.numpy()) == 0
-    # And the run goes on to step 4, then back again.
-    assert after.run() == 0
-    assert int(after.step.numpy()) == int(after.sgd.iterations.numpy()) == 4
-    again = train_runtime.Trainer(run_config(tmp_path, data_dir, 6, first))
-    assert again.run() == 0
-    assert int(again.step.numpy()) == int(again.sgd.iterations.numpy()) == 6
-    if first == "float16":  # the scale the first float16 run left was carried through the float32 run
-        assert float(again.optimizer.dynamic_scale) == float(before.optimizer.dynamic_scale)
-    resumed = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "resumed"]
-    assert [r["step"] for r in resumed] == [2, 4]
+    first = resumed(tmp_path, data_dir, 2, None, None)
+    scaled = resumed(tmp_path, data_dir, 4, "float16", first, fresh_scale=True)
+    unscaled = resumed(tmp_path, data_dir, 6, None, scaled)
+    again = resumed(tmp_path, data_dir, 8, "float16", unscaled)
+    assert float(again.optimizer.dynamic_scale) == float(scaled.optimizer.dynamic_scale)
+    assert [r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "resumed"] == [2, 4, 6]
     assert "unreadable" not in capsys.readouterr().err

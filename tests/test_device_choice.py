@@ -135,7 +135,9 @@ def routes(nodes):
     }
 
 
-@pytest.mark.onednn  # on the CPU, oneDNN's routes are there with its kernels only
+# On the CPU, oneDNN's routes are there with its kernels only (marked onednn: `make test`'s second pass runs
+# them with TensorFlow's own); a GPU's routes do not depend on it.
+@pytest.mark.parametrize("device", [pytest.param("CPU", marks=pytest.mark.onednn), "GPU"], indirect=True)
 @pytest.mark.parametrize("xla", [False, True])
 def test_traced_train_and_predict_graphs_hold_the_devices_routes(device, xla):
     config = config_for("on" if device == "CPU" else "auto", xla)  # 'on' is an error on a GPU
