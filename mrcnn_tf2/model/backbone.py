@@ -221,6 +221,16 @@ class ResidualBlock(TracksSublayers, keras.layers.Layer):
         self.shortcut = (ConvBN(out_filters, 1, strides, relu=False, conv_route=conv_route, name=f"{self.name}_0")
                          if projection else None)
 
+    def build(self, input_shape):
+        # The convs' variables depend on channels only. Without this method Keras would build the block by
+        # tracing `call` symbolically before its first real call.
+        channels = input_shape[-1]
+        if self.shortcut is not None:
+            self.shortcut.build((None, None, None, channels))
+        for conv in self.convs:
+            conv.build((None, None, None, channels))
+            channels = conv.filters
+
     def call(self, inputs, training=None, update_averages=True):
         flags = dict(training=training, update_averages=update_averages)
         residual = inputs if self.shortcut is None else self.shortcut(inputs, **flags)

@@ -74,6 +74,11 @@ class MaskRCNN(TracksSublayers, keras.Model):
         both use the same boxes."""
         return self.anchor_generator.at(self.image_size)
 
+    def build(self, input_shape):
+        """Creates nothing: each part builds its variables at its first call. Without this method Keras would
+        build the model by tracing the whole of `call` symbolically before running it, a second pass through
+        the model at every start-up."""
+
     def _batch_anchors(self, images, features):
         """{level: [M_l, 4]} the anchors of this batch: its padded size and its feature grids, static when the
         shapes are (then constants, equal to `anchors` at `image_size`)."""

@@ -18,6 +18,7 @@ what it logs, and the early stop at --min_bbox_map / --min_mask_map).
 import contextlib
 import copy
 import glob
+import itertools
 import math
 import os
 import sys
@@ -311,7 +312,8 @@ class Trainer:
             print(f"[train] {describe_precision(self.policy, runtime.amp, self.loss_scaled)}", flush=True)
             print(f"[train] {self.ops.describe()}", flush=True)
         # Where to resume is known only after restoring, which needs built variables: peek one batch first.
-        first = next(iter(self.dataset(0)))
+        batches = iter(self.dataset(0))
+        first = next(batches)
         start = self._restore_or_initialise(first, logger)
         if start == 0 and self.world.is_chief:
             notice = self._initialisation_notice()
@@ -334,7 +336,8 @@ class Trainer:
         # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop.
         evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
                      if not runtime.benchmark else None)
-        batches = iter(self.dataset(start))
+        # A new run reads on from the batch it peeked at; a resumed one reads its start step's order.
+        batches = itertools.chain([first], batches) if start == 0 else iter(self.dataset(start))
         step_times, window = [], []
         timer_start = None
         for step in range(start + 1, last + 1):
