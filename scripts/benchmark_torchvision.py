@@ -210,7 +210,7 @@ from mrcnn_tf2.runtime.train import Trainer
 
 trainer = Trainer(parse(json.loads(sys.argv[1]))[1])
 batch = next(iter(trainer.dataset(0)))
-trainer.build(batch)
+trainer.build()
 model = trainer.model
 
 

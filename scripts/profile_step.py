@@ -60,7 +60,7 @@ def train_step(config):
 
     trainer = Trainer(config)
     batch = next(iter(trainer.dataset(0)))
-    trainer.build(batch)
+    trainer.build()
     update = trainer.update_function()
     return lambda: {name: value.numpy() for name, value in update([batch])[0].items()}
 

@@ -30,7 +30,7 @@ from tests.support import combined_batch, small_config, sync_config, trainer_for
 def synchronised_updates(world, out_dir, steps):
     trainer = trainer_for(sync_config(1, seed=1 + world.rank, model_dir=os.path.join(out_dir, "model")), world)
     batch = tf.nest.map_structure(lambda t: t[world.rank:world.rank + 1], combined_batch())
-    trainer._restore_or_initialise(batch, RunLogger(os.devnull, verbose=False))
+    trainer._restore_or_initialise(RunLogger(os.devnull, verbose=False))
     initial = [v.numpy() for v in trainer.model.trainable_variables]
     update = trainer.update_function()
     for _ in range(steps):

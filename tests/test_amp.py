@@ -121,7 +121,7 @@ def float16_config(**train):
 def first_update(config, batch, initial):
     """The weight change of one update from `initial` weights (plain SGD, lr 0.5, no warm-up)."""
     trainer = trainer_for(config)
-    trainer.build(batch)
+    trainer.build()
     for target, source in zip(trainer.model.weights, initial):
         target.assign(source)
     before = [v.numpy() for v in trainer.model.trainable_variables]
@@ -138,7 +138,7 @@ def test_float16_update_is_unscaled_to_the_float32_update():
     reference = equally_weighted_config()
     vars(reference.train).update(rates)
     trainer32 = trainer_for(reference)
-    trainer32.build(batch)
+    trainer32.build()
     initial = [v.numpy() for v in trainer32.model.weights]
     _, update32 = first_update(reference, batch, initial)
     trainer16, update16 = first_update(float16_config(**rates), batch, initial)
@@ -157,7 +157,7 @@ def test_overflow_step_is_skipped_counted_and_counters_agree():
     momentum unchanged), the scale halves, and step, optimizer iterations and the schedule move on together."""
     batch = synthetic_batch(small_config())
     trainer = trainer_for(float16_config(warmup_min_steps=0))
-    trainer.build(batch)
+    trainer.build()
     update = trainer.update_function()
     update([batch])
     weights = [v.numpy() for v in trainer.model.trainable_variables]
@@ -238,10 +238,9 @@ def resumed(tmp_path, data_dir, steps, amp_dtype, before, fresh_scale=False):
     loss scale anew), then runs to `steps`."""
     trainer = train_runtime.Trainer(run_config(tmp_path, data_dir, steps, amp_dtype))
     if before is not None:
-        batch = next(iter(trainer.dataset(0)))
         logger = train_runtime.RunLogger(str(tmp_path / "resume.jsonl"))
         done = int(before.step.numpy())
-        assert trainer._restore_or_initialise(batch, logger) == done
+        assert trainer._restore_or_initialise(logger) == done
         logger.close()
         for variable, value in zip(trainer.model.weights, before.model.weights):
             np.testing.assert_array_equal(variable.numpy(), value.numpy(), err_msg=variable.path)

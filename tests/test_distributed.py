@@ -159,7 +159,7 @@ def one_process_updates(tmp_path_factory):
     of the two-rank jobs."""
     trainer = trainer_for(sync_config(2, seed=1, model_dir=str(tmp_path_factory.mktemp("single"))))
     batch = combined_batch()
-    trainer.build(batch)
+    trainer.build()
     update = trainer.update_function()
     # Each call starts where a new run does: optimizer slots, iterations and step as built.
     state = [*trainer.optimizer.variables, trainer.step]

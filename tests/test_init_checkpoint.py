@@ -49,7 +49,7 @@ def restored_weights(model_dir):
     restored by TensorFlow's own restore into the model of the config saved there."""
     _, config = parse(["train", "--model_dir", str(model_dir)])
     trainer = train_runtime.Trainer(config)
-    trainer.build(next(iter(trainer.dataset(0))))
+    trainer.build()
     tf.train.Checkpoint(model=trainer.model).read(
         tf.train.latest_checkpoint(str(model_dir))).assert_existing_objects_matched().expect_partial()
     return [v.numpy() for v in trainer.model.variables]

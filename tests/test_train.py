@@ -70,7 +70,7 @@ def test_accumulated_update_equals_one_update_on_the_larger_batch():
         config = equally_weighted_config()
         config.train.train_batch_size, config.train.accumulate_steps = batch_size, accumulate
         trainer = trainer_for(config)
-        trainer.build(batch)
+        trainer.build()
         trainers.append(trainer)
     large, accumulated = trainers
     for source, target in zip(large.model.weights, accumulated.model.weights):
@@ -361,7 +361,7 @@ def test_clip_grad_norm_scales_the_unscaled_update_to_the_norm(monkeypatch, poli
             config.train.init_learning_rate = 1.0
             config.train.clip_grad_norm = clip
             trainer = trainer_for(config)
-            trainer.build(batch)
+            trainer.build()
             if initial is None:
                 initial = [v.numpy() for v in trainer.model.weights]
             for target, source in zip(trainer.model.weights, initial):  # the same start for both updates

@@ -225,7 +225,7 @@ def test_model_with_v2_options_trains_and_predicts(custom_ops):
     config = v2_config(custom_ops)
     batch = synthetic_batch(config)
     trainer = trainer_for(config)
-    trainer.build(batch)
+    trainer.build()
     model = trainer.model
     # The new convs take the run's conv route (Winograd's fused op for the 3x3 ones with custom ops on).
     route = choose_ops(config).conv_route

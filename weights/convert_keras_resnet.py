@@ -55,8 +55,6 @@ KERAS_DEPTHS = (50, 101)
 CAFFE_MEAN_RGB = (123.68, 116.779, 103.939)
 # Layers of a file with the classifier top that the backbone has no use for.
 TOP_LAYERS = frozenset({"predictions"})
-# Input side used to create the backbone's variables before assigning them (any multiple of 32 works).
-BUILD_SIDE = 64
 
 
 def conv_bn_layers(resnet):
@@ -195,12 +193,10 @@ def convert_keras_resnet(keras_model, depth, path="keras model", input_mean=None
     Returns:
       A built `ResNet` (freeze_bn and freeze_blocks at their defaults; they do not affect the variables).
     """
-    import tensorflow as tf
-
     from mrcnn_tf2.model.backbone import ResNet
 
     resnet = ResNet(depth, stride_in_1x1=True)
-    resnet(tf.zeros([1, BUILD_SIDE, BUILD_SIDE, 3]), training=False)
+    resnet.build((None, None, None, 3))
     for layer in conv_bn_layers(resnet):
         conv, bn = keras_model.get_layer(f"{layer.name}_conv"), keras_model.get_layer(f"{layer.name}_bn")
         normalization = (input_mean, input_std) if layer is resnet.stem else None

@@ -46,9 +46,6 @@ else:
     import torchvision_mapping as tv
 
 CONVERSION_FILE = "conversion.json"
-# Side of the zero images that create the model's variables before they are assigned (2**max_level of the
-# preset: the smallest input whose FPN levels all exist).
-BUILD_SIDE = 64
 
 
 def _resolve(obj, attributes):
@@ -72,18 +69,11 @@ def torchvision_config(preset, num_classes, depth, output_dir):
 
 
 def build_model_variables(config):
-    """build_model(config, export=True) (pure TF ops) with every variable created, by running its learned
-    layers once on zeros."""
-    import tensorflow as tf
-
-    from mrcnn_tf2.model.factory import BOX_ROI_SIZE, MASK_ROI_SIZE, build_model
+    """build_model(config, export=True) (pure TF ops) with every variable created."""
+    from mrcnn_tf2.model.factory import build_model
 
     model = build_model(config, export=True)
-    width = config.model.fpn_num_filters
-    features = model.fpn(model.backbone(tf.zeros([1, BUILD_SIDE, BUILD_SIDE, 3]), training=False), training=False)
-    model.rpn_head(features)
-    model.box_head(tf.zeros([1, 1, BOX_ROI_SIZE, BOX_ROI_SIZE, width]))
-    model.mask_head((tf.zeros([1, 1, MASK_ROI_SIZE, MASK_ROI_SIZE, width]), tf.zeros([1, 1], tf.int32)))
+    model.build()
     return model
 
 

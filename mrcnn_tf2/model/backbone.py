@@ -305,9 +305,19 @@ class ResNet(TracksSublayers, keras.Model):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.trainable = False
 
+    @property
+    def channels(self):
+        """{level: channels} of the features `call` returns."""
+        return {level: block[-1].convs[-1].filters for level, block in enumerate(self.groups, FIRST_LEVEL)}
+
     def build(self, input_shape):
         if len(input_shape) != 4 or input_shape[-1] != 3:
             raise ValueError(f"ResNet expects images [B, H, W, 3], got shape {tuple(input_shape)}")
+        self.stem.build((None, None, None, 3))
+        channels = STEM_FILTERS
+        for block in (block for blocks in self.groups for block in blocks):
+            block.build((None, None, None, channels))
+            channels = block.convs[-1].filters
         super().build(input_shape)
 
     def call(self, images, training=None):

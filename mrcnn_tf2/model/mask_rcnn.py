@@ -74,10 +74,20 @@ class MaskRCNN(TracksSublayers, keras.Model):
         both use the same boxes."""
         return self.anchor_generator.at(self.image_size)
 
-    def build(self, input_shape):
-        """Creates nothing: each part builds its variables at its first call. Without this method Keras would
-        build the model by tracing the whole of `call` symbolically before running it, a second pass through
-        the model at every start-up."""
+    def build(self, input_shape=None):
+        """Creates every variable from the parts' shapes, without a pass through the model (Keras's default
+        traces `call` symbolically): a checkpoint then restores before anything runs, and no trace creates a
+        variable (in a tf.function each is lifted out with an initialisation graph of its own, which made the
+        first trace several times longer). `input_shape` (of the inputs' dict) is not needed."""
+        self.backbone.build((None, None, None, 3))
+        self.fpn.build({level: (None, None, None, c) for level, c in self.backbone.channels.items()})
+        feature = (None, None, None, self.fpn.num_filters)
+        self.rpn_head.build({level: feature for level in range(self.fpn.min_level, self.fpn.max_level + 1)})
+        size = self.box_roi_aligner.output_size
+        self.box_head.build((None, None, size, size, self.fpn.num_filters))
+        if self.mask_head is not None:
+            size = self.mask_roi_aligner.output_size
+            self.mask_head.build([(None, None, size, size, self.fpn.num_filters), (None, None)])
 
     def _batch_anchors(self, images, features):
         """{level: [M_l, 4]} the anchors of this batch: its padded size and its feature grids, static when the

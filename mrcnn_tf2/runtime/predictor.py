@@ -129,9 +129,9 @@ class LoadedModel:
 def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
-    Only the model is read (training checkpoints also hold the optimizer). The variables are built by a
-    trace of `predict_function` on a blank batch of eval.eval_batch_size, which evaluation then reuses (with
-    data.pad_to_multiple, on one blank image of 2**max_level pixels a side).
+    Only the model is read (training checkpoints also hold the optimizer). `predict_function` is traced on a
+    blank batch of eval.eval_batch_size, a trace that evaluation then reuses (with data.pad_to_multiple, on
+    one blank image of 2**max_level pixels a side).
     Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`) on
     rank 0 of `world` (runtime.distributed.World: every rank of a job loads the model).
 
@@ -164,8 +164,8 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         # builds the variables, instead of batch_size images of the whole canvas.
         height = width = 2 ** config.model.anchors.max_level
         batch_size = 1
-    # A blank batch shaped like the evaluation batches builds the variables through the same trace that
-    # evaluation then reuses (an eager build would cost as much as that trace again).
+    model.build()
+    # A blank batch shaped like the evaluation batches: the trace that evaluation then reuses.
     predict_function(model, config.runtime.eagerly)({
         "images": tf.zeros([batch_size, height, width, 3]),
         "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),

@@ -132,9 +132,11 @@ class Trainer:
 
     # -- the update ---------------------------------------------------------------------------------------
 
-    def build(self, batch):
-        """Creates every variable (model, optimizer slots) so that checkpoints restore eagerly."""
-        self.model(batch, training=True)
+    def build(self):
+        """Creates every variable (model, optimizer slots) so that checkpoints restore eagerly (once: a second call
+        changes nothing)."""
+        if not self.model.built:
+            self.model.build()
         self.optimizer.build(self.model.trainable_variables)
 
     def checkpointed(self):
@@ -228,10 +230,10 @@ class Trainer:
         check_saved_model_config(path, prefix, config)
         return TrainingCheckpoint(prefix)
 
-    def _restore_or_initialise(self, batch, logger):
+    def _restore_or_initialise(self, logger):
         """Builds the variables, then rank 0 restores or initialises them and every rank takes rank 0's
         (model, optimizer, step); returns the step."""
-        self.build(batch)
+        self.build()
         # Only rank 0 reads model_dir and the checkpoints a run starts from: other machines need not see them.
         if self.world.is_chief:
             self._restore_or_load_pretrained(logger)
@@ -311,10 +313,11 @@ class Trainer:
         if self.world.is_chief:
             print(f"[train] {describe_precision(self.policy, runtime.amp, self.loss_scaled)}", flush=True)
             print(f"[train] {self.ops.describe()}", flush=True)
-        # Where to resume is known only after restoring, which needs built variables: peek one batch first.
-        batches = iter(self.dataset(0))
+        start = self._restore_or_initialise(logger)
+        # The first batch before anything is written, so that unreadable data stops the run first.
+        batches = iter(self.dataset(start))
         first = next(batches)
-        start = self._restore_or_initialise(first, logger)
+        batches = itertools.chain([first], batches)
         if start == 0 and self.world.is_chief:
             notice = self._initialisation_notice()
             if notice:
@@ -336,8 +339,6 @@ class Trainer:
         # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop.
         evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
                      if not runtime.benchmark else None)
-        # A new run reads on from the batch it peeked at; a resumed one reads its start step's order.
-        batches = itertools.chain([first], batches) if start == 0 else iter(self.dataset(start))
         step_times, window = [], []
         timer_start = None
         for step in range(start + 1, last + 1):
