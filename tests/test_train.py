@@ -61,6 +61,21 @@ def test_benchmark_schedule_is_a_tenth_of_the_rate_after_warmup_at_every_step():
     assert [float(schedule(step)) for step in (0, 1, 499, 10_000)] == pytest.approx([0.00025] * 4)
 
 
+def test_build_creates_every_variable_from_shapes_alone_and_runs_nothing():
+    _, config = parse(["train", *SMALL_FLAGS])  # from scratch: batch norm trains and updates its averages
+    trainer = trainer_for(config)
+    trainer.build()
+    built = [variable.path for variable in trainer.model.variables]
+    means = [v for v in trainer.model.variables if v.path.endswith("moving_mean")]
+    variances = [v for v in trainer.model.variables if v.path.endswith("moving_variance")]
+    # Nothing ran: a pass in training mode would have moved the averages from their initial values.
+    assert means and all(not np.any(v.numpy()) for v in means)
+    assert variances and all(np.all(v.numpy() == 1.0) for v in variances)
+    trainer.update_function()([synthetic_batch(config)])
+    assert [variable.path for variable in trainer.model.variables] == built  # the step's trace created none
+    assert all(np.any(v.numpy()) for v in means)
+
+
 def test_accumulated_update_equals_one_update_on_the_larger_batch():
     # One object in each image, so that both images sample as many RoIs (see below).
     batch = combined_batch()

@@ -308,7 +308,7 @@ class ResNet(TracksSublayers, keras.Model):
     @property
     def channels(self):
         """{level: channels} of the features `call` returns."""
-        return {level: block[-1].convs[-1].filters for level, block in enumerate(self.groups, FIRST_LEVEL)}
+        return {level: blocks[-1].convs[-1].filters for level, blocks in enumerate(self.groups, FIRST_LEVEL)}
 
     def build(self, input_shape):
         if len(input_shape) != 4 or input_shape[-1] != 3:

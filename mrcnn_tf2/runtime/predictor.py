@@ -161,7 +161,7 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
     batch_size = config.eval.eval_batch_size
     if config.data.pad_to_multiple is not None:
         # Batches padded to their own size vary in shape anyway: the smallest input whose FPN levels all exist
-        # builds the variables, instead of batch_size images of the whole canvas.
+        # is traced, instead of batch_size images of the whole canvas.
         height = width = 2 ** config.model.anchors.max_level
         batch_size = 1
     model.build()
