@@ -53,6 +53,8 @@ if [ "${SETUP_TEST_DEPS:-1}" != 0 ]; then
   test_deps_want=$(cat requirements-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$test_deps_stamp" 2>/dev/null)" != "$test_deps_want" ]; then
     echo "[setup] installing requirements-test.txt and the extras onnx, tflite, openvino into $VENV"
+    # Its pip first, in the foreground: pip must not replace itself while the Horovod build below runs pip.
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$(grep -E '^pip==' requirements-test.txt)"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements-test.txt &
     test_deps_pid=$!
     # A failed build must not leave pip writing into the venv after the set-up has exited.
