@@ -129,9 +129,9 @@ class LoadedModel:
 def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
-    Only the model is read (training checkpoints also hold the optimizer). `predict_function` is traced on a
-    blank batch of eval.eval_batch_size, a trace that evaluation then reuses (with data.pad_to_multiple, on
-    one blank image of 2**max_level pixels a side).
+    Only the model is read (training checkpoints also hold the optimizer). `predict_function` is traced (not
+    run) for batches of eval.eval_batch_size, the trace that evaluation and inference then use (with
+    data.pad_to_multiple, of any height and width).
     Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`) on
     rank 0 of `world` (runtime.distributed.World: every rank of a job loads the model).
 
@@ -157,20 +157,18 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
     if world.is_chief:
         print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
         print(f"[model] {ops.describe()}", flush=True)
-    height, width = config.data.image_size
-    batch_size = config.eval.eval_batch_size
-    if config.data.pad_to_multiple is not None:
-        # Batches padded to their own size vary in shape anyway: the smallest input whose FPN levels all exist
-        # is traced, instead of batch_size images of the whole canvas.
-        height = width = 2 ** config.model.anchors.max_level
-        batch_size = 1
     model.build()
-    # A blank batch shaped like the evaluation batches: the trace that evaluation then reuses.
-    predict_function(model, config.runtime.eagerly)({
-        "images": tf.zeros([batch_size, height, width, 3]),
-        "image_info": tf.constant([[height, width, 1.0, height, width]] * batch_size, tf.float32),
-        "source_ids": tf.zeros([batch_size], tf.int64),
-    })
+    if not (export or config.runtime.eagerly):
+        # Evaluation's trace, made here without running the model (an export traces its own functions): on the
+        # canvas every batch has the eval batch's shape; batches padded to their own size vary in height and
+        # width, and share one trace in which both are unknown.
+        batch_size = config.eval.eval_batch_size
+        height, width = config.data.image_size if config.data.pad_to_multiple is None else (None, None)
+        predict_function(model).get_concrete_function({
+            "images": tf.TensorSpec([batch_size, height, width, 3], tf.float32),
+            "image_info": tf.TensorSpec([batch_size, 5], tf.float32),
+            "source_ids": tf.TensorSpec([batch_size], tf.int64),
+        })
     if checkpoint is None:
         return LoadedModel(model, None, 0, policy, ops)
     step = tf.Variable(0, dtype=tf.int64, trainable=False)
