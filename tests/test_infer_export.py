@@ -422,6 +422,20 @@ def test_with_batches_padded_to_their_own_size_a_photos_detections_do_not_depend
         np.testing.assert_allclose(mine["bbox"] + [mine["score"]], theirs["bbox"] + [theirs["score"]], atol=1e-4)
 
 
+def test_loading_traces_the_one_function_that_batches_of_every_padded_size_take(model_dir):
+    """load_model traces evaluation's function without running it; batches padded to their own size, of any
+    height and width, all take that trace."""
+    loaded = load_model(config_for("infer", *OWN_SIZE_FLAGS, "--model_dir", model_dir, "--eval_batch_size", "1"))
+    predict = predict_function(loaded.model)
+    assert predict.experimental_get_tracing_count() == 1
+    for height, width in ((64, 96), (96, 64), (128, 128)):
+        outputs = predict_batch(predict, {"images": tf.zeros([1, height, width, 3]),
+                                          "image_info": tf.constant([[height, width, 1.0, height, width]]),
+                                          "source_ids": tf.constant([7], tf.int64)})
+        assert outputs["source_ids"].tolist() == [7]
+    assert predict.experimental_get_tracing_count() == 1
+
+
 @pytest.mark.timeout(300)  # exports and loads a SavedModel
 def test_serving_bytes_runs_each_image_alone_when_batches_pad_to_their_own_size(tmp_path, model_dir, mixed_photos):
     export_dir = str(tmp_path / "saved_model")
