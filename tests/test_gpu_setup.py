@@ -96,8 +96,9 @@ def test_gpu_requirements_resolve_against_the_registry_without_installing(tmp_pa
 
     before = installed()
     report = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--use-feature=fast-deps",
-                             "--disable-pip-version-check", "--report", str(report), "-r", "requirements-gpu.txt"],
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                             "--use-feature=fast-deps", "--disable-pip-version-check", "--report", str(report), "-r",
+                             "requirements-gpu.txt"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     resolved = {item["metadata"]["name"].lower(): item["metadata"]["version"]
