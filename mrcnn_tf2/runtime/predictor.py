@@ -131,7 +131,7 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
 
     Only the model is read (training checkpoints also hold the optimizer). `predict_function` is traced (not
     run) for batches of eval.eval_batch_size, the trace that evaluation and inference then use (with
-    data.pad_to_multiple, of any height and width).
+    data.pad_to_multiple, of any height and width); not for an export, nor with runtime.eagerly.
     Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`) on
     rank 0 of `world` (runtime.distributed.World: every rank of a job loads the model).
 
@@ -159,9 +159,10 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         print(f"[model] {ops.describe()}", flush=True)
     model.build()
     if not (export or config.runtime.eagerly):
-        # Evaluation's trace, made here without running the model (an export traces its own functions): on the
+        # Evaluation's trace, made here without running the model (an export traces its own functions). On the
         # canvas every batch has the eval batch's shape; batches padded to their own size vary in height and
-        # width, and share one trace in which both are unknown.
+        # width, and share one trace in which both are unknown. The batch stays static: a batch of one then
+        # takes oneDNN's batch-of-one conv routes without a cond (ops/conv.py).
         batch_size = config.eval.eval_batch_size
         height, width = config.data.image_size if config.data.pad_to_multiple is None else (None, None)
         predict_function(model).get_concrete_function({
