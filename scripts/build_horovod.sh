@@ -9,8 +9,10 @@
 # GPU), NCCL taken from $HOROVOD_NCCL_HOME, the system (libnccl-dev) or the venv's nvidia-nccl-cu12 wheel;
 # without a toolkit it says why and builds the CPU operations only.
 # Idempotent: the stamp holds this script's hash (version, pins, patch), the TF version, the installed
-# Horovod version, the MPI compiler and the GPU operations, so an unchanged set-up is not rebuilt. A failed
-# build fails the set-up: CI must not silently lose the distributed tests.
+# Horovod version, the MPI compiler and the GPU operations, so an unchanged set-up is not rebuilt. A CPU build's
+# wheel is kept in the per-user build cache (scripts/build_cache.sh) under the same key, which other clones and
+# venvs then install in seconds. A failed build fails the set-up: CI must not silently lose the distributed
+# tests.
 # Usage: scripts/build_horovod.sh [python]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,12 +53,34 @@ if [ "$installed" = "$HOROVOD_VERSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$
   exit 0
 fi
 
+# Imports Horovod once: a library that built but does not load (an ABI mismatch with TF) must fail here, not in
+# CI. A GPU build must also have NCCL in it.
+check_horovod() {
+  TF_CPP_MIN_LOG_LEVEL=3 "$PYTHON" -c 'import sys, horovod.tensorflow as hvd
+assert hvd.gloo_built(), "horovod was built without gloo"
+assert sys.argv[1] == "0" or hvd.nccl_built(), "horovod was built without NCCL"' "${#gpu[@]}"
+}
+# shellcheck source=build_cache.sh
+source scripts/build_cache.sh
+# The cache holds CPU builds only: a GPU build links NCCL through its path in this venv.
+if [ ${#gpu[@]} -gt 0 ]; then build_cache_root=; fi
+cache_key="$want-mpi-version:$([ -z "$mpicxx" ] || "$mpicxx" --showme:version 2>&1 || true)"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+if wheel=$(build_cache_get horovod "$cache_key" "$work"); then
+  if "$PYTHON" -m pip install --disable-pip-version-check -q "$work/$wheel" "${RUNTIME_PINS[@]}" && check_horovod; then
+    echo "$want" > "$STAMP"
+    echo "[horovod] installed horovod $HOROVOD_VERSION from the build cache ($build_cache_root)"
+    exit 0
+  fi
+  echo "[horovod] the cached wheel $wheel did not install or load (above): dropped, building instead" >&2
+  build_cache_drop horovod "$cache_key"
+fi
+
 if ! command -v cmake >/dev/null; then
   echo "[horovod] error: cmake is required to build Horovod (e.g. apt-get install cmake)" >&2
   exit 1
 fi
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 parts="gloo${mpicxx:+, mpi}${gpu:+, nccl}"
 echo "[horovod] building horovod $HOROVOD_VERSION against tensorflow $tf_version ($parts); a few minutes"
 "$PYTHON" -m pip download --disable-pip-version-check -q --no-binary :all: --no-deps \
@@ -123,11 +147,10 @@ if [ -n "$mpicxx" ]; then mpi=(HOROVOD_WITH_MPI=1); else mpi=(HOROVOD_WITHOUT_MP
 env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
   "${mpi[@]}" "${gpu[@]}" \
   MAKEFLAGS="-j$(nproc)" \
-  "$PYTHON" -m pip install --disable-pip-version-check -q --no-build-isolation "$src" "${RUNTIME_PINS[@]}"
-# Import it once: a library that built but does not load (an ABI mismatch with TF) must fail here, not in CI.
-# A GPU build must also have NCCL in it.
-TF_CPP_MIN_LOG_LEVEL=3 "$PYTHON" -c 'import sys, horovod.tensorflow as hvd
-assert hvd.gloo_built(), "horovod was built without gloo"
-assert sys.argv[1] == "0" or hvd.nccl_built(), "horovod was built without NCCL"' "${#gpu[@]}"
+  "$PYTHON" -m pip wheel --disable-pip-version-check -q --no-deps --no-build-isolation -w "$work/dist" "$src"
+wheel=$(echo "$work"/dist/horovod-*.whl)
+"$PYTHON" -m pip install --disable-pip-version-check -q "$wheel" "${RUNTIME_PINS[@]}"
+check_horovod
+build_cache_put horovod "$cache_key" "$wheel"
 echo "$want" > "$STAMP"
 echo "[horovod] installed horovod $HOROVOD_VERSION"
