@@ -4,8 +4,15 @@
 # An entry is keyed by the caller's key (its stamp: sources, scripts, TensorFlow version, ...), $PYTHON's
 # version and the machine's architecture, and is written under a temporary name, then renamed: a build that
 # failed or was interrupted leaves no entry. MRCNN_TF2_BUILD_CACHE sets the folder (default
-# ${XDG_CACHE_HOME:-~/.cache}/mrcnn_tf2/builds); set to an empty value, the cache is off.
-build_cache_root=${MRCNN_TF2_BUILD_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/mrcnn_tf2/builds}
+# ${XDG_CACHE_HOME:-~/.cache}/mrcnn_tf2/builds); set to an empty value, the cache is off, as it is without a
+# home folder.
+if [ -n "${MRCNN_TF2_BUILD_CACHE+set}" ]; then
+  build_cache_root=$MRCNN_TF2_BUILD_CACHE
+elif [ -n "${XDG_CACHE_HOME:-}${HOME:-}" ]; then
+  build_cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/mrcnn_tf2/builds
+else
+  build_cache_root=
+fi
 
 # build_cache_entry NAME KEY: the entry's folder.
 build_cache_entry() {

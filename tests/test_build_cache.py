@@ -9,12 +9,12 @@ import sys
 from tests.support import ROOT
 
 
-def cache_call(cache, *commands, check=True):
-    """Runs bash `commands` (one string each) after sourcing the cache helper with MRCNN_TF2_BUILD_CACHE=cache."""
+def cache_call(cache, *commands, check=True, env=None):
+    """Runs bash `commands` (one string each) after sourcing the cache helper with MRCNN_TF2_BUILD_CACHE=cache (or,
+    given, the environment `env`)."""
     script = "\n".join(["set -euo pipefail", f"source {ROOT}/scripts/build_cache.sh", *commands])
-    return subprocess.run(["bash", "-c", script], env={**os.environ, "PYTHON": sys.executable,
-                                                       "MRCNN_TF2_BUILD_CACHE": str(cache)},
-                          capture_output=True, text=True, check=check)
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=check,
+                          env=env or {**os.environ, "PYTHON": sys.executable, "MRCNN_TF2_BUILD_CACHE": str(cache)})
 
 
 def test_an_entry_is_taken_by_its_key_only_and_a_failed_store_leaves_none(tmp_path):
@@ -42,6 +42,11 @@ def test_an_entry_is_taken_by_its_key_only_and_a_failed_store_leaves_none(tmp_pa
     cache_call("", f"build_cache_put ops key-1 {built}/lib.so")
     assert cache_call("", f"build_cache_get ops key-1 {taken}", check=False).returncode == 1
     assert os.listdir(cache) == []
+    # Without a home folder (and no other setting) the cache is off rather than the set-up failing.
+    homeless = {"PATH": os.environ["PATH"], "PYTHON": sys.executable}
+    result = cache_call(None, f"build_cache_put ops key-1 {built}/lib.so", 'echo "root=[$build_cache_root]"',
+                        env=homeless)
+    assert result.stdout.strip() == "root=[]" and result.stderr == ""
 
 
 def test_the_fused_ops_build_of_the_same_sources_is_taken_from_the_cache_without_compiling(tmp_path):
