@@ -87,6 +87,25 @@ def set_tensorflow_environment(onednn=None, environ=os.environ, verbose=False):
     return user_log_level or verbose
 
 
+@contextlib.contextmanager
+def _without_scikit_learn():
+    """Inside the block, `import sklearn` fails, unless scikit-learn is imported already; after it, it imports.
+
+    Keras, imported by TensorFlow, imports scikit-learn (with SciPy's statistics) for its scikit-learn
+    wrappers when it is installed, as the openvino extra's 8-bit quantizer installs it: 1.3 s of every
+    command's start-up for wrappers the package never uses. Keras then takes scikit-learn to be absent; the
+    quantizer, imported later, imports it as usual."""
+    if "sklearn" in sys.modules:
+        yield
+        return
+    sys.modules["sklearn"] = None  # Python's marker of a module that must not be imported
+    try:
+        yield
+    finally:
+        if sys.modules.get("sklearn", "") is None:
+            del sys.modules["sklearn"]
+
+
 def import_tensorflow(onednn=None, verbose=False):
     """TensorFlow, as every command of the package starts it: environment set (set_tensorflow_environment),
     imported and its devices initialised (CUDA's probing happens there) with the start-up noise held back
@@ -95,7 +114,8 @@ def import_tensorflow(onednn=None, verbose=False):
     status 2 after one line naming the fix.
     """
     try:
-        with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn, verbose=verbose)):
+        with quiet_tensorflow_start(enabled=not set_tensorflow_environment(onednn, verbose=verbose)), \
+                _without_scikit_learn():
             import tensorflow as tf
 
             if not tf.config.list_physical_devices("GPU"):

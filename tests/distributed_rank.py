@@ -15,10 +15,11 @@ import json
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from mrcnn_tf2.cli import import_tensorflow
+
+tf = import_tensorflow()  # as main.py starts it
 
 from mrcnn_tf2.data.pipeline import InputPipeline  # noqa: E402
 from mrcnn_tf2.model.factory import build_anchors, choose_ops  # noqa: E402

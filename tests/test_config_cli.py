@@ -553,6 +553,14 @@ def test_onednns_dtype_notice_is_held_back_at_start_up():
     assert result.stderr == ""
 
 
+def test_start_up_leaves_scikit_learn_to_whatever_imports_it_later():
+    # Keras imports scikit-learn, when installed (the openvino extra), for wrappers the package never uses.
+    code = ("import sys\nfrom mrcnn_tf2.cli import import_tensorflow\nimport_tensorflow()\n"
+            "print('sklearn' in sys.modules)\nimport sklearn.base\nprint(sklearn.base.BaseEstimator.__name__)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "BaseEstimator"], result.stderr
+
+
 def test_a_python_without_tensorflow_gets_one_line_naming_the_fix(tmp_path):
     # As `python main.py ...` outside .venv, and a converter, which starts TensorFlow as main.py does.
     code = ("import sys\nsys.modules['tensorflow'] = None  # what `import tensorflow` meets there\n"
