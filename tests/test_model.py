@@ -41,7 +41,7 @@ def test_train_step_gives_every_loss_finite(config, batch):
 
 def test_gradients_reach_every_trainable_variable_and_no_frozen_one(config, batch):
     model = compiled_model(config)
-    model(batch, training=True)  # builds every layer
+    model.build()  # every layer built
     frozen = [v for v in model.variables if not v.trainable]
     trainable = model.trainable_variables
     # The stem and first group are frozen, like every batch norm: their weights must not be trained.
@@ -109,7 +109,7 @@ def test_mixed_precision_policies_train(config, batch, policy):
 
 def test_checkpoint_holds_every_weight_and_restores_predictions(config, batch, tmp_path):
     model = compiled_model(config)
-    model(batch, training=True)
+    model.build()
     prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     # Every weight is saved (the compiled optimizer rides along under model/optimizer).
     saved = [name for name, _ in tf.train.list_variables(prefix)
@@ -117,7 +117,7 @@ def test_checkpoint_holds_every_weight_and_restores_predictions(config, batch, t
     assert len(saved) == len(model.weights)
     keras.utils.set_random_seed(1)  # different initial weights
     restored = build_model(config)
-    restored(batch, training=True)
+    restored.build()
     tf.train.Checkpoint(model=restored).read(prefix).assert_existing_objects_matched()
     for a, b in zip(model.weights, restored.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
@@ -132,7 +132,7 @@ def xla_step(batch, xla):
     keras.utils.set_random_seed(0)
     model = build_model(config)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
-    model(batch, training=True)  # builds every layer: later calls take the compiled path
+    model.build()  # every layer built: later calls take the compiled path
     keras.utils.set_random_seed(1)  # the same RoI sampling draws in both runs
     losses, grads = model.compute_gradients(batch)
     detections = model.predict_step(batch)
