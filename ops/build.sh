@@ -3,7 +3,8 @@
 # Idempotent: the stamp holds a hash of the sources, this script and the TF version, so an unchanged
 # tree is not rebuilt, and a build is kept in the per-user build cache (scripts/build_cache.sh) for other clones
 # and venvs of the same sources and TF version. BUILD_INFO.json records the TF version the library was built
-# for, which the loader (mrcnn_tf2/ops/fused.py) compares with the running one: a custom op built against another TF may crash.
+# for, which the loader (mrcnn_tf2/ops/fused.py) compares with the running one: a custom op built against
+# another TF may crash.
 # Usage: ops/build.sh [python]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
