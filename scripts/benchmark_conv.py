@@ -3,6 +3,7 @@
     .venv/bin/python scripts/benchmark_conv.py [--shape B H W C] [--repeats 3] [--dtype bfloat16]
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py --strided 3 --shape 1 200 272 128
+    TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py --strided 3 --shape 2 100 136 256
 
 Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RPN head's conv on P2 of an
 832x1344 batch of 2): the forward conv, the input gradient, TensorFlow's kernel gradient
@@ -14,10 +15,12 @@ import: run the script once per setting to compare them. `--dtype bfloat16` time
 `--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it beside the float32 default to see
 what a CPU's bfloat16 instructions give.
 
-`--strided K` times instead a KxK C->C conv of stride 2 and padding (K - 1) // 2 on one image (B = 1; the
-ResNet's strided 3x3 convs), whose height and width are known only at run time, as in `main.py infer`: the
-direct conv against mrcnn_tf2.ops.conv.split_conv2d (the image as its two halves, the route conv2d takes for
-it in float32 under oneDNN), which is faster depends on the CPU.
+`--strided K` times instead a KxK C->C conv of stride 2 and padding (K - 1) // 2 (the ResNet's strided 3x3
+convs), whose height and width are known only at run time, as in `main.py infer`: the direct conv and, when B
+is 1, mrcnn_tf2.ops.conv.split_conv2d (the image as its two halves, the route conv2d takes for it in float32
+under oneDNN; which is faster depends on the CPU); then its two gradients, each by its kernel with
+explicit padding and by a 'VALID' kernel on the padded shape (the input gradient cropped after, the kernel
+gradient on a padded copy of the input), the choice mrcnn_tf2.ops.conv's gradient makes.
 """
 import argparse
 import functools
@@ -32,10 +35,8 @@ def main(argv=None):
     parser.add_argument("--shape", type=int, nargs=4, default=(2, 208, 336, 256), metavar=("B", "H", "W", "C"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--strided", type=int, metavar="K", help="a KxK stride-2 conv of one image instead")
+    parser.add_argument("--strided", type=int, metavar="K", help="a KxK stride-2 conv and its gradients instead")
     args = parser.parse_args(argv)
-    if args.strided is not None and args.shape[0] != 1:
-        parser.error(f"--strided times one image: --shape's B must be 1, not {args.shape[0]}")
     # After parsing, so that --help answers at once. Not main.py's start-up (import_tensorflow): that turns
     # oneDNN on, and this script compares TensorFlow's default with TF_ENABLE_ONEDNN_OPTS set by the caller.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -83,26 +84,46 @@ def main(argv=None):
 
 
 def strided(args, tf, conv_ops):
-    """--strided: the direct conv and split_conv2d of one image with run-time sizes, checked to agree."""
-    _, height, width, channels = args.shape
+    """--strided: the direct conv (and, of one image, split_conv2d) with run-time sizes, and the two gradients by
+    each pair of kernels, checked to agree."""
+    batch, height, width, channels = args.shape
     size = args.strided
     x = tf.cast(tf.random.stateless_normal(args.shape, seed=[0, 1]), args.dtype)
     kernel = tf.cast(tf.random.stateless_normal((size, size, channels, channels), seed=[0, 3], stddev=0.05),
                      args.dtype)
     pad = (size - 1) // 2
     padding = [[0, 0], [pad, pad], [pad, pad], [0, 0]]
-    signature = [tf.TensorSpec([1, None, None, channels], args.dtype)]  # sizes known at run time only
-    convs = {"direct": lambda image: tf.nn.conv2d(image, kernel, 2, padding),
-             "halves (split_conv2d)": lambda image: conv_ops.split_conv2d(image, kernel, 2, padding)}
+    signature = [tf.TensorSpec([batch, None, None, channels], args.dtype)]  # sizes known at run time only
+    convs = {"direct": lambda image: tf.nn.conv2d(image, kernel, 2, padding)}
+    if batch == 1:
+        convs["halves (split_conv2d)"] = lambda image: conv_ops.split_conv2d(image, kernel, 2, padding)
     kernels = {name: functools.partial(tf.function(conv, input_signature=signature), x)
                for name, conv in convs.items()}
-    direct, halves = (tf.cast(fn(), tf.float32).numpy() for fn in kernels.values())
-    error = np.abs(halves - direct).max() / np.abs(direct).max()
+    direct = kernels["direct"]()
+    gradient = dict(strides=[1, 2, 2, 1], out_backprop=tf.cast(tf.random.stateless_normal(direct.shape, seed=[0, 2]),
+                                                               args.dtype))
+    explicit = dict(gradient, padding="EXPLICIT", explicit_paddings=[p for pair in padding for p in pair])
+    valid = dict(gradient, padding="VALID")
+    padded_shape = [batch, height + 2 * pad, width + 2 * pad, channels]
+    kernels.update({name: tf.function(fn) for name, fn in {
+        "input gradient, explicit padding": lambda: tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=args.shape, filter=kernel, **explicit),
+        "input gradient, 'VALID' cropped": lambda: tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=padded_shape, filter=kernel, **valid)[:, pad:pad + height, pad:pad + width],
+        "kernel gradient, explicit padding": lambda: tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=kernel.shape, **explicit),
+        "kernel gradient, 'VALID' padded copy": lambda: tf.raw_ops.Conv2DBackpropFilter(
+            input=tf.pad(x, padding), filter_sizes=kernel.shape, **valid),
+    }.items()})
+    names = list(kernels)
+    pairs = [names[i:i + 2] for i in range(0 if batch == 1 else 1, len(names), 2)]
+    error = max(np.abs(a - b).max() / np.abs(b).max()
+                for a, b in ([tf.cast(kernels[name](), tf.float32).numpy() for name in pair] for pair in pairs))
     out_h, out_w = direct.shape[1:3]
-    gflop = 2.0 * out_h * out_w * size * size * channels * channels / 1e9
+    gflop = 2.0 * batch * out_h * out_w * size * size * channels * channels / 1e9
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
-    print(f"{size}x{size}/2 conv {channels}->{channels} on [1, {height}, {width}, {channels}] in {args.dtype}: "
-          f"{gflop:.1f} GFLOP, TF_ENABLE_ONEDNN_OPTS={onednn}; the two differ by {error:.1e} of the largest")
+    print(f"{size}x{size}/2 conv {channels}->{channels} on {list(args.shape)} in {args.dtype}: {gflop:.1f} GFLOP "
+          f"per kernel, TF_ENABLE_ONEDNN_OPTS={onednn}; each pair differs by at most {error:.1e} of the largest")
     report(kernels, args.repeats, gflop)
 
 
@@ -116,7 +137,7 @@ def report(kernels, repeats, gflop):
             fn().numpy()
             times.append(time.perf_counter() - start)
         seconds = float(np.median(times))
-        print(f"  {name:34s} {1000 * seconds:8.0f} ms {gflop / seconds:6.0f} GFLOP/s")
+        print(f"  {name:38s} {1000 * seconds:8.1f} ms {gflop / seconds:6.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

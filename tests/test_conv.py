@@ -286,17 +286,18 @@ def test_the_conv_benchmark_times_each_kernel_in_its_dtype(dtype, capsys):
     assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
 
 
-def test_the_conv_benchmark_times_a_strided_conv_of_one_image_both_ways(capsys):
+def test_the_conv_benchmark_times_a_strided_conv_and_its_gradients_each_way(capsys):
     from scripts import benchmark_conv
 
-    # An odd height and width: the halves share a row, and the output's odd row count is concatenated.
-    benchmark_conv.main(["--strided", "3", "--shape", "1", "11", "13", "8", "--repeats", "1"])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("3x3/2 conv 8->8 on [1, 11, 13, 8] in float32:"), lines[0]
-    error = float(lines[0].split("the two differ by ")[1].split()[0])
-    assert error <= 1e-5, lines[0]  # two kernels' float rounding (1e-6 at the ResNet's sizes); a wrong one: ~1
-    assert [line.split("  ")[1].strip() for line in lines[1:]] == ["direct", "halves (split_conv2d)"], lines
-    assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
-    with pytest.raises(SystemExit) as raised:  # a batch of two is not what the halves' route serves
-        benchmark_conv.main(["--strided", "3", "--shape", "2", "11", "13", "8"])
-    assert raised.value.code == 2 and "--shape's B must be 1, not 2" in capsys.readouterr().err
+    gradients = ["input gradient, explicit padding", "input gradient, 'VALID' cropped",
+                 "kernel gradient, explicit padding", "kernel gradient, 'VALID' padded copy"]
+    # An odd height and width: the halves share a row, and the output's odd row count is concatenated; the
+    # padded shape's last row and column are in no window. The halves' route serves a batch of one only.
+    for batch, routes in (("1", ["direct", "halves (split_conv2d)"]), ("2", ["direct"])):
+        benchmark_conv.main(["--strided", "3", "--shape", batch, "11", "13", "8", "--repeats", "1"])
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith(f"3x3/2 conv 8->8 on [{batch}, 11, 13, 8] in float32:"), lines[0]
+        error = float(lines[0].split("each pair differs by at most ")[1].split()[0])
+        assert error <= 1e-5, lines[0]  # two kernels' float rounding (1e-6 at the ResNet's sizes); a wrong one: ~1
+        assert [line.split("  ")[1].strip() for line in lines[1:]] == routes + gradients, lines
+        assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines

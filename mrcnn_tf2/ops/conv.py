@@ -358,19 +358,28 @@ def _cpu_conv(inputs, kernel, scale, strides, padding, route, bias=None, relu=Fa
             # Strided convs are few (the stem, a group's first block): TensorFlow's gradients of the conv
             # itself, whatever route the forward took (measured alone they were faster than
             # kernel_gradient on strided copies of the input, and than the gradients of split_conv2d).
-            # Below float32, explicit padding is applied first and the gradients are those of a 'VALID' conv:
+            conv = dict(strides=[1, strides, strides, 1], out_backprop=out_grad, padding=padding)
+            if isinstance(padding, str):
+                return (tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w, **conv),
+                        tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=tf.shape(w), **conv))
+            # Explicit padding: the input gradient is a 'VALID' conv's on the padded shape, cropped, faster on
+            # every shape measured under oneDNN (1.0 to 1.7x at ResNet-50's strided convs and the demo's;
+            # docs/PERFORMANCE.md) and as fast without it. The kernel gradient keeps the explicit kernel
+            # in float32 (a 'VALID' one on a padded copy was up to 1.8x slower); below float32 it takes the copy:
             # oneDNN's bfloat16 gradient kernels take no explicit padding, and TensorFlow's fallback was 30 to
-            # 60x slower (both gradients of a 1x1 stride-2 conv on [2, 208, 272, 256]: 1.5 s against 0.03 s);
-            # float32 keeps the explicit kernels (padding first measured 2 to 3% slower on the ResNet-50 step).
-            padded, conv = x, dict(strides=[1, strides, strides, 1], out_backprop=out_grad, padding=padding)
-            if not isinstance(padding, str) and x.dtype != tf.float32:
-                padded, conv["padding"] = tf.pad(x, padding), "VALID"
-            elif not isinstance(padding, str):
-                conv.update(padding="EXPLICIT", explicit_paddings=[p for pair in padding for p in pair])
-            input_grad = tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(padded), filter=w, **conv)
-            if padded is not x:  # the padding's gradient dropped
-                input_grad = tf.slice(input_grad, [0, padding[1][0], padding[2][0], 0], tf.shape(x))
-            return input_grad, tf.raw_ops.Conv2DBackpropFilter(input=padded, filter_sizes=tf.shape(w), **conv)
+            # 60x slower.
+            valid = dict(conv, padding="VALID")
+            padded_shape = tf.shape(x) + tf.constant([sum(pair) for pair in padding])
+            input_grad = tf.raw_ops.Conv2DBackpropInput(input_sizes=padded_shape, filter=w, **valid)
+            input_grad = tf.slice(input_grad, [0, padding[1][0], padding[2][0], 0], tf.shape(x))
+            if x.dtype != tf.float32:
+                kernel_grad = tf.raw_ops.Conv2DBackpropFilter(input=tf.pad(x, padding), filter_sizes=tf.shape(w),
+                                                              **valid)
+            else:
+                kernel_grad = tf.raw_ops.Conv2DBackpropFilter(
+                    input=x, filter_sizes=tf.shape(w), explicit_paddings=[p for pair in padding for p in pair],
+                    **dict(conv, padding="EXPLICIT"))
+            return input_grad, kernel_grad
 
         w = _folded(raw, scales[0] if scales else None, x.dtype)
         if biases or relu:
