@@ -115,7 +115,7 @@ def strided(args, tf, conv_ops):
         "kernel gradient, 'VALID' padded copy": lambda: tf.raw_ops.Conv2DBackpropFilter(
             input=tf.pad(x, padding), filter_sizes=kernel.shape, **valid),
     }.items()})
-    names = list(kernels)
+    names = list(kernels)  # the pairs that compute the same: (direct, halves) when there, then each gradient's
     pairs = [names[i:i + 2] for i in range(0 if batch == 1 else 1, len(names), 2)]
     error = max(np.abs(a - b).max() / np.abs(b).max()
                 for a, b in ([tf.cast(kernels[name](), tf.float32).numpy() for name in pair] for pair in pairs))
