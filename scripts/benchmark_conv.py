@@ -115,8 +115,11 @@ def strided(args, tf, conv_ops):
         "kernel gradient, 'VALID' padded copy": lambda: tf.raw_ops.Conv2DBackpropFilter(
             input=tf.pad(x, padding), filter_sizes=kernel.shape, **valid),
     }.items()})
-    names = list(kernels)  # the pairs that compute the same: (direct, halves) when there, then each gradient's
-    pairs = [names[i:i + 2] for i in range(0 if batch == 1 else 1, len(names), 2)]
+    # The pairs that compute the same: each gradient's two ways, and the two forwards of one image.
+    pairs = [(f"{name}, explicit padding", f"{name}, 'VALID' {how}")
+             for name, how in (("input gradient", "cropped"), ("kernel gradient", "padded copy"))]
+    if batch == 1:
+        pairs.append(("direct", "halves (split_conv2d)"))
     error = max(np.abs(a - b).max() / np.abs(b).max()
                 for a, b in ([tf.cast(kernels[name](), tf.float32).numpy() for name in pair] for pair in pairs))
     out_h, out_w = direct.shape[1:3]
