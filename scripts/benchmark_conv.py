@@ -2,18 +2,20 @@
 
     .venv/bin/python scripts/benchmark_conv.py [--shape B H W C] [--repeats 3] [--dtype bfloat16]
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py
+    TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py --shape 8 4 4 512 --repeats 20
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py --strided 3 --shape 1 200 272 128
     TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python scripts/benchmark_conv.py --strided 3 --shape 2 100 136 256
 
 Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RPN head's conv on P2 of an
 832x1344 batch of 2): the forward conv, the input gradient, TensorFlow's kernel gradient
-(Conv2DBackpropFilter), mrcnn_tf2.ops.conv.kernel_gradient, and the forward by Winograd's fused ops
-(mrcnn_tf2.ops.fused.conv2d_3x3; the input gradient takes the same route with the flipped kernel), in
-milliseconds (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and checks that
-the two kernel gradients and the two forwards agree. TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, at
-import: run the script once per setting to compare them. `--dtype bfloat16` times the kernels in bfloat16, as
-`--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it beside the float32 default to see
-what a CPU's bfloat16 instructions give.
+(Conv2DBackpropFilter), mrcnn_tf2.ops.conv.kernel_gradient, the forward and the input gradient as one
+matrix product of patches (mrcnn_tf2.ops.conv.patch_conv2d, the route of small maps), and the forward by
+Winograd's fused ops (mrcnn_tf2.ops.fused.conv2d_3x3; the input gradient takes the same route with the flipped
+kernel), in milliseconds (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and
+checks that the two kernel gradients, the forwards and the input gradients agree. TensorFlow reads
+TF_ENABLE_ONEDNN_OPTS once, at import: run the script once per setting to compare them. `--dtype bfloat16`
+times the kernels in bfloat16, as `--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it
+beside the float32 default to see what a CPU's bfloat16 instructions give.
 
 `--strided K` times instead a KxK C->C conv of stride 2 and padding (K - 1) // 2 (the ResNet's strided 3x3
 convs), whose height and width are known only at run time, as in `main.py infer`: the direct conv and, when B
@@ -63,6 +65,9 @@ def main(argv=None):
             input=x, filter_sizes=kernel_shape, out_backprop=out_grad, strides=strides, padding="SAME"),
         "kernel gradient, matrix products": lambda: conv_ops.kernel_gradient(x, out_grad, kernel_shape, "SAME"),
     }
+    kernels["forward, matrix product of patches"] = lambda: conv_ops.patch_conv2d(x, kernel)
+    kernels["input gradient, matrix product of patches"] = lambda: conv_ops.patch_conv2d(out_grad,
+                                                                                        conv_ops.flipped(kernel))
     if args.dtype == "float32":
         kernels["forward, Winograd (fused ops)"] = lambda: fused_ops.conv2d_3x3(x, kernel)
     kernels = {name: tf.function(fn) for name, fn in kernels.items()}
@@ -72,7 +77,10 @@ def main(argv=None):
         return np.abs(found - expected).max() / np.abs(expected).max()
 
     gradient_error = relative_error("kernel gradient, matrix products", "kernel gradient, TensorFlow")
-    agreement = f"kernel gradients differ by {gradient_error:.1e} of the largest"
+    patch_error = max(relative_error("forward, matrix product of patches", "forward"),
+                      relative_error("input gradient, matrix product of patches", "input gradient"))
+    agreement = (f"kernel gradients differ by {gradient_error:.1e} of the largest, the products of patches by "
+                 f"{patch_error:.1e}")
     if args.dtype == "float32":
         agreement += f", forwards by {relative_error('forward, Winograd (fused ops)', 'forward'):.1e}"
     gflop = 2.0 * batch * height * width * 9 * channels * channels / 1e9
@@ -140,7 +148,7 @@ def report(kernels, repeats, gflop):
             fn().numpy()
             times.append(time.perf_counter() - start)
         seconds = float(np.median(times))
-        print(f"  {name:38s} {1000 * seconds:8.1f} ms {gflop / seconds:6.0f} GFLOP/s")
+        print(f"  {name:42s} {1000 * seconds:8.1f} ms {gflop / seconds:6.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

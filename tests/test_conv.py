@@ -12,10 +12,12 @@ pytestmark = pytest.mark.onednn  # the routes that conv_ops.ONEDNN picks, and th
 
 # (kernel size, stride, padding, input height, input width): the convs of the model (3x3 'SAME', 1x1,
 # strided 1x1 'VALID', the stem's 7x7/2 and the 3x3/2 with symmetric explicit padding) on odd sizes, the 3x3/2
-# also on even ones (the padded input's last row and column in no window), and the stride-1 paddings that
-# kernel_gradient handles (even kernels pad one pixel more after than before).
+# also on even ones (the padded input's last row and column in no window), the 3x3 'SAME' on a map small enough
+# for the matrix product of patches, and the stride-1 paddings that kernel_gradient handles (even kernels pad one
+# pixel more after than before).
 CASES = [
     (3, 1, "SAME", 9, 12),
+    (3, 1, "SAME", 3, 4),
     (1, 1, "SAME", 7, 5),
     (1, 2, "VALID", 9, 11),
     (3, 2, "SAME", 9, 11),
@@ -47,6 +49,28 @@ def test_conv2d_matches_tensorflow(kernel_size, stride, padding, height, width):
     for name, want, got in zip(("output", "input gradient", "kernel gradient"), expected, actual):
         assert got.shape == want.shape, name
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("route", conv_ops.ROUTES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_small_maps_conv_and_its_input_gradient_are_products_of_patches(route, batch):
+    """Up to PATCH_MAX_PIXELS output pixels a 3x3 'SAME' conv and its input gradient are one matrix product each
+    (oneDNN's direct kernels ran [8, 4, 4, 512] -> 512 at 1.6x the time); a pixel more, and the conv is
+    TensorFlow's (or, at one image under oneDNN, its transposed conv)."""
+    def op_types(height, width):
+        x = tf.zeros([batch, height, width, 8])
+        w = tf.zeros([3, 3, 8, 4])
+        conv = tf.function(lambda x, w: _gradients(lambda x, w: conv_ops.conv2d(x, w, route=route), x, w,
+                                                   tf.ones([batch, height, width, 4])))
+        return {op.type for op in conv.get_concrete_function(x, w).graph.get_operations()}
+
+    tensorflows = {"Conv2D", "Conv2DBackpropInput"}
+    small, larger = op_types(4, conv_ops.PATCH_MAX_PIXELS // 4), op_types(4, conv_ops.PATCH_MAX_PIXELS // 4 + 1)
+    if route == conv_ops.PLAIN:
+        assert tensorflows <= small
+        return
+    assert not small & tensorflows and "MatMul" in small, small
+    assert larger & tensorflows, larger
 
 
 @pytest.mark.parametrize("route", conv_ops.ROUTES)
@@ -282,8 +306,11 @@ def test_the_conv_benchmark_times_each_kernel_in_its_dtype(dtype, capsys):
     # (random ones reached 2.2e-2), by 0 with oneDNN on; a wrong gradient differs by the gradient's own size.
     error = float(lines[0].split("kernel gradients differ by ")[1].split()[0])
     assert error <= (1e-5 if dtype == "float32" else 5e-2), lines[0]
+    patches_error = float(lines[0].split("the products of patches by ")[1].split()[0].rstrip(",;"))
+    assert patches_error <= (1e-5 if dtype == "float32" else 5e-2), lines[0]
     timed = [line.split("  ")[1].strip() for line in lines[1:]]
-    expected = ["forward", "input gradient", "kernel gradient, TensorFlow", "kernel gradient, matrix products"]
+    expected = ["forward", "input gradient", "kernel gradient, TensorFlow", "kernel gradient, matrix products",
+                "forward, matrix product of patches", "input gradient, matrix product of patches"]
     assert timed == expected + (["forward, Winograd (fused ops)"] if dtype == "float32" else []), lines
     assert all(line.rstrip().endswith("GFLOP/s") for line in lines[1:]), lines
 
