@@ -18,6 +18,16 @@ def fake_gpu():
     return value == "1"
 
 
+def cpu_flags(cpuinfo="/proc/cpuinfo"):
+    """The set of instruction-set flags /proc/cpuinfo lists for the CPU (avx512_bf16, amx_bf16, ...), or None
+    when it cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            return set(f.read().split())
+    except OSError:
+        return None
+
+
 def run_device():
     """'GPU' when TensorFlow sees a GPU (or one is faked), else 'CPU': where the model's ops are placed."""
     if fake_gpu():

@@ -73,6 +73,63 @@ def test_a_small_maps_conv_and_its_input_gradient_are_products_of_patches(route,
     assert larger & tensorflows, larger
 
 
+@pytest.mark.parametrize("sizes", ["static", "run-time"])
+def test_a_bfloat16_conv_of_a_large_map_runs_winograds_float32_route(monkeypatch, sizes):
+    """Where BFLOAT16_WINOGRAD holds, a bfloat16 3x3 'SAME' conv of at least BFLOAT16_WINOGRAD_MIN_CHANNELS input
+    channels and BFLOAT16_WINOGRAD_MIN_TILES 4x4 output blocks per image runs Winograd's float32 route between
+    casts, forward and both gradients, with its bias and ReLU; its output and gradients are as close to the
+    exact conv of its bfloat16 operands as the direct bfloat16 conv's. A map of fewer blocks, or without
+    BFLOAT16_WINOGRAD, keeps TensorFlow's bfloat16 conv; with sizes known only at run time, the blocks decide
+    when the step runs."""
+    monkeypatch.setattr(conv_ops, "BFLOAT16_WINOGRAD_MIN_TILES", 6)  # the large map, at a test's size
+    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_TILES", 0)  # and float32's route there
+    rng = np.random.default_rng(7)
+    channels = conv_ops.BFLOAT16_WINOGRAD_MIN_CHANNELS
+    w = tf.cast(tf.constant(rng.normal(size=(3, 3, channels, 8)) / 48, tf.float32), tf.bfloat16)
+    b = tf.cast(tf.constant(rng.normal(size=8), tf.float32), tf.bfloat16)
+    conv_types = {"Conv2D", "Conv2DBackpropInput"}  # the direct conv and its input gradient
+
+    def run(x, upstream, route, bfloat16_winograd, exact=False):
+        """(output, input gradient, kernel gradient) in float64, and the traced graph's op types."""
+        monkeypatch.setattr(conv_ops, "BFLOAT16_WINOGRAD", bfloat16_winograd)
+        dtype = tf.float64 if exact else tf.bfloat16
+
+        def conv(x, w):
+            if exact:
+                return tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME") + tf.cast(b, dtype))
+            return conv_ops.conv2d(x, w, bias=b, relu=True, route=route)
+
+        shape = [None, None, None, channels] if sizes == "run-time" else x.shape
+        fn = tf.function(lambda x, w: _gradients(conv, x, w, tf.cast(upstream, dtype)),
+                         input_signature=[tf.TensorSpec(shape, dtype), tf.TensorSpec(w.shape, dtype)])
+        graph = fn.get_concrete_function().graph
+        types = {op.type for op in graph.get_operations()}
+        for function in graph._functions.values():  # tf.cond's branches
+            types |= {op.type for op in function.graph.get_operations()}
+        return [tf.cast(t, tf.float64) for t in fn(tf.cast(x, dtype), tf.cast(w, dtype))], types
+
+    for height, width, large in ((8, 12, True), (4, 8, False)):  # 2 x 3 blocks, 1 x 2
+        x = tf.cast(tf.constant(rng.normal(size=(2, height, width, channels)), tf.float32), tf.bfloat16)
+        upstream = tf.cast(tf.constant(rng.normal(size=(2, height, width, 8)), tf.float32), tf.bfloat16)
+        exact, _ = run(x, upstream, conv_ops.WINOGRAD, True, exact=True)
+        routed, types = run(x, upstream, conv_ops.WINOGRAD, True)
+        direct, direct_types = run(x, upstream, conv_ops.WINOGRAD, False)
+        assert "MrcnnWinogradInput" not in direct_types and conv_types <= direct_types, direct_types
+        if sizes == "run-time":
+            assert "MrcnnWinogradInput" in types and conv_types <= types and types & {"If", "StatelessIf"}, types
+        elif large:
+            assert "MrcnnWinogradInput" in types and not types & conv_types, types
+        else:
+            assert "MrcnnWinogradInput" not in types and conv_types <= types, types
+        for name, got, want, theirs in zip(("output", "input gradient", "kernel gradient"), routed, exact, direct):
+            scale = float(tf.reduce_max(tf.abs(want)))
+            error, direct_error = (float(tf.reduce_max(tf.abs(t - want))) / scale for t in (got, theirs))
+            assert error <= max(1.5 * direct_error, 2 ** -8), (name, height, error, direct_error)
+        if not large:  # the same conv as the direct route's
+            for got, theirs in zip(routed, direct):
+                np.testing.assert_array_equal(got.numpy(), theirs.numpy())
+
+
 @pytest.mark.parametrize("route", conv_ops.ROUTES)
 @pytest.mark.parametrize("kernel_size,stride,padding", [(3, 1, "SAME"), (1, 1, "SAME"), (1, 2, "VALID")])
 def test_conv2d_of_a_scaled_kernel_is_the_conv_of_the_product(monkeypatch, route, kernel_size, stride, padding):

@@ -30,7 +30,9 @@ products over the 4x4 output blocks do the work of the 144 of a direct conv, and
 of the flipped kernel, goes the same way; so does the kernel gradient
 (`fused_ops.conv2d_3x3_kernel_gradient`), in place of `kernel_gradient`. The P2 conv at batch 1 took 193 ms
 against 450 ms by the transposed route; the mask head's convs over 100 RoIs 72 ms against 121 ms. Its rounding
-differs from a direct conv's by about 1e-5 of the output's scale.
+differs from a direct conv's by about 1e-5 of the output's scale. A bfloat16 3x3 conv of a large map with many
+channels takes the same route in float32 between casts where the CPU's bfloat16 is AVX-512's, not AMX's
+(BFLOAT16_WINOGRAD): its output, rounded to bfloat16, is as close to the exact conv as the direct bfloat16 conv's.
 
 On small maps, at most PATCH_MAX_PIXELS output pixels per image (the demo's conv5 at 4x4 or 3x3, the small
 FPN levels), the direct kernels run far under their speed on larger ones: a 3x3 stride-1 'SAME' conv there is one
@@ -57,6 +59,7 @@ Tensors are NHWC; kernels [KH, KW, C_in, C_out].
 import tensorflow as tf
 from tensorflow.python.util import _pywrap_util_port  # the one way to ask whether oneDNN's kernels are on
 
+from mrcnn_tf2.devices import cpu_flags
 from mrcnn_tf2.ops import fused as fused_ops
 
 ONEDNN = _pywrap_util_port.IsMklEnabled()
@@ -191,6 +194,30 @@ def _winograd(inputs, kernel, strides, padding, route):
     return batch * -(-height // 4) * -(-width // 4) >= WINOGRAD_MIN_TILES
 
 
+# bfloat16 3x3 convs with at least these input channels and 4x4 output blocks per image run Winograd's float32
+# route between casts (`conv2d`). On a CPU whose bfloat16 arithmetic is AVX-512's dot products (avx512_bf16
+# without amx_bf16), at most twice float32's multiply-adds per instruction, Winograd's 4x fewer multiply-adds
+# win on large maps: on a 2-core EPYC, forward alone, P2's 256->256 at [1, 200, 272] 146 -> 108 ms, P3's at
+# [1, 100, 136] 37 -> 27 ms; the P4 size (221 blocks) and narrower convs were as fast or faster direct. AMX's
+# tile products run bfloat16 at many times float32's rate: there bfloat16 stays direct.
+BFLOAT16_WINOGRAD = "amx_bf16" not in (cpu_flags() or ())
+BFLOAT16_WINOGRAD_MIN_CHANNELS = 256
+BFLOAT16_WINOGRAD_MIN_TILES = 512
+
+
+def _bfloat16_winograd(inputs, kernel, strides, padding, route):
+    """Whether a bfloat16 conv runs as Winograd's float32 route (BFLOAT16_WINOGRAD's sizes): a Python bool, or
+    a boolean scalar tensor where the image's size is known only at run time."""
+    if not (BFLOAT16_WINOGRAD and route == WINOGRAD and inputs.dtype == tf.bfloat16 and strides == 1
+            and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
+            and kernel.shape[2] >= BFLOAT16_WINOGRAD_MIN_CHANNELS):
+        return False
+    height, width = inputs.shape[1:3]
+    if None in (height, width):
+        height, width = tf.unstack(tf.shape(inputs)[1:3])
+    return (height + 3) // 4 * ((width + 3) // 4) >= BFLOAT16_WINOGRAD_MIN_TILES
+
+
 # The most output pixels per image (H * W, known when tracing) of a stride-1 'SAME' conv with an odd kernel that
 # runs as one matrix product of patches (`patch_conv2d`) where Winograd's route does not take it.
 PATCH_MAX_PIXELS = 16
@@ -261,7 +288,8 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
       residual: [B, H_out, W_out, C_out] or None.
       relu: whether a ReLU ends the block.
       route: PLAIN, CPU or WINOGRAD (module docstring). WINOGRAD: a float32 3x3 stride-1 'SAME' conv runs
-        Winograd's fused ops (`fused_ops.conv2d_3x3`); the kernel gradient is CPU's either way.
+        Winograd's fused ops (`fused_ops.conv2d_3x3`), and so does a bfloat16 one of BFLOAT16_WINOGRAD's sizes,
+        in float32 (output cast back); the kernel gradient is CPU's either way.
       kernel_scale: [C_out] float32 or None. The conv's kernel is then tf.cast(kernel * kernel_scale,
         inputs.dtype) (a frozen batch norm folded in; `kernel` float32). The CPU routes' gradient makes that
         product again when the output gradient comes rather than keep it from the forward pass: a trained
@@ -275,6 +303,20 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
         raise ValueError(f"conv route {route!r} is not one of {ROUTES}")
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
     kernel = tf.convert_to_tensor(kernel)
+    by_winograd = _bfloat16_winograd(inputs, kernel, strides, padding, route)
+    if by_winograd is not False:
+        def in_float32():
+            def cast(tensor):
+                return None if tensor is None else tf.cast(tensor, tf.float32)
+
+            outputs = _block(cast(inputs), cast(kernel), kernel_scale, strides, padding, cast(bias), cast(residual),
+                             relu, route)
+            return tf.cast(outputs, inputs.dtype)
+
+        if by_winograd is True:
+            return in_float32()
+        return tf.cond(by_winograd, in_float32,
+                       lambda: _block(inputs, kernel, kernel_scale, strides, padding, bias, residual, relu, route))
     if route != PLAIN and tuple(kernel.shape[:2]) == (1, 1):
         if (strides > 1 and padding in ("SAME", "VALID") and ONEDNN and inputs.shape[0] == 1
                 and inputs.dtype == tf.float32):

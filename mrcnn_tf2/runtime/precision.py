@@ -6,7 +6,7 @@ import time
 import keras
 import tensorflow as tf
 
-from mrcnn_tf2.devices import run_device
+from mrcnn_tf2.devices import cpu_flags, run_device
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 
 # /proc/cpuinfo flags of CPUs with bfloat16 arithmetic. Without them TF emulates bfloat16, and measured on
@@ -16,12 +16,8 @@ BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def cpu_has_bfloat16(cpuinfo="/proc/cpuinfo"):
     """True when the CPU lists a bfloat16 instruction set flag; None when `cpuinfo` cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            flags = set(f.read().split())
-    except OSError:
-        return None
-    return any(flag in flags for flag in BFLOAT16_CPU_FLAGS)
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else any(flag in flags for flag in BFLOAT16_CPU_FLAGS)
 
 
 def bfloat16_speedup(size=2048, rounds=3):
