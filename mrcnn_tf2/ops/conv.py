@@ -197,9 +197,9 @@ def _winograd(inputs, kernel, strides, padding, route):
 # bfloat16 3x3 convs with at least these input channels and 4x4 output blocks per image run Winograd's float32
 # route between casts (`conv2d`). On a CPU whose bfloat16 arithmetic is AVX-512's dot products (avx512_bf16
 # without amx_bf16), at most twice float32's multiply-adds per instruction, Winograd's 4x fewer multiply-adds
-# win on large maps: on a 2-core EPYC, forward alone, P2's 256->256 at [1, 200, 272] 146 -> 108 ms, P3's at
-# [1, 100, 136] 37 -> 27 ms; the P4 size (221 blocks) and narrower convs were as fast or faster direct. AMX's
-# tile products run bfloat16 at many times float32's rate: there bfloat16 stays direct.
+# win on large, wide maps (FPN levels P2 and P3 at 800 px); smaller or narrower maps were as fast or faster
+# direct (docs/PERFORMANCE.md, "On an AMD EPYC with bfloat16 and no AMX"). AMX's tile products run bfloat16 at
+# many times float32's rate: there bfloat16 stays direct.
 BFLOAT16_WINOGRAD = "amx_bf16" not in (cpu_flags() or ())
 BFLOAT16_WINOGRAD_MIN_CHANNELS = 256
 BFLOAT16_WINOGRAD_MIN_TILES = 512
