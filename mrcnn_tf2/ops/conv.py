@@ -195,9 +195,9 @@ def _winograd(inputs, kernel, strides, padding, route):
 
 
 # bfloat16 3x3 convs with at least these input channels and 4x4 output blocks per image run Winograd's float32
-# route between casts (`conv2d`). On a CPU whose bfloat16 arithmetic is AVX-512's dot products (avx512_bf16
-# without amx_bf16), at most twice float32's multiply-adds per instruction, Winograd's 4x fewer multiply-adds
-# win on large, wide maps (FPN levels P2 and P3 at 800 px); smaller or narrower maps were as fast or faster
+# route between casts (`conv2d`). On a CPU without AMX (no amx_bf16 in /proc/cpuinfo) bfloat16 runs on
+# avx512_bf16's dot products, at most twice float32's multiply-adds per instruction (or is emulated, slower
+# still), and Winograd's 4x fewer multiply-adds win on large, wide maps (FPN levels P2 and P3 at 800 px); smaller or narrower maps were as fast or faster
 # direct (docs/PERFORMANCE.md, "On an AMD EPYC with bfloat16 and no AMX"). AMX's tile products run bfloat16 at
 # many times float32's rate: there bfloat16 stays direct.
 BFLOAT16_WINOGRAD = "amx_bf16" not in (cpu_flags() or ())
