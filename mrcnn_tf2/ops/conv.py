@@ -197,9 +197,9 @@ def _winograd(inputs, kernel, strides, padding, route):
 # bfloat16 3x3 convs with at least these input channels and 4x4 output blocks per image run Winograd's float32
 # route between casts (`conv2d`). On a CPU without AMX (no amx_bf16 in /proc/cpuinfo) bfloat16 runs on
 # avx512_bf16's dot products, at most twice float32's multiply-adds per instruction (or is emulated, slower
-# still), and Winograd's 4x fewer multiply-adds win on large, wide maps (FPN levels P2 and P3 at 800 px); smaller or narrower maps were as fast or faster
-# direct (docs/PERFORMANCE.md, "On an AMD EPYC with bfloat16 and no AMX"). AMX's tile products run bfloat16 at
-# many times float32's rate: there bfloat16 stays direct.
+# still), and Winograd's 4x fewer multiply-adds win on large, wide maps (FPN levels P2 and P3 at 800 px);
+# smaller or narrower maps were as fast or faster direct (docs/PERFORMANCE.md, "On an AMD EPYC with bfloat16
+# and no AMX"). AMX's tile products run bfloat16 at many times float32's rate: there bfloat16 stays direct.
 BFLOAT16_WINOGRAD = "amx_bf16" not in (cpu_flags() or ())
 BFLOAT16_WINOGRAD_MIN_CHANNELS = 256
 BFLOAT16_WINOGRAD_MIN_TILES = 512
@@ -306,12 +306,8 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
     by_winograd = _bfloat16_winograd(inputs, kernel, strides, padding, route)
     if by_winograd is not False:
         def in_float32():
-            def cast(tensor):
-                return None if tensor is None else tf.cast(tensor, tf.float32)
-
-            outputs = _block(cast(inputs), cast(kernel), kernel_scale, strides, padding, cast(bias), cast(residual),
-                             relu, route)
-            return tf.cast(outputs, inputs.dtype)
+            x, w, b, r = (None if t is None else tf.cast(t, tf.float32) for t in (inputs, kernel, bias, residual))
+            return tf.cast(_block(x, w, kernel_scale, strides, padding, b, r, relu, route), inputs.dtype)
 
         if by_winograd is True:
             return in_float32()
