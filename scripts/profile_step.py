@@ -73,7 +73,7 @@ def predict_step(config):
     model = load_model(config, require_checkpoint=False).model
     batch = next(iter(InputPipeline(config, training=False).dataset(
         config.data.resolved_validation_pattern(), config.eval.eval_batch_size)))
-    predict = predict_function(model)
+    predict = predict_function(model, fixed_weights=True)
     return lambda: {name: value.numpy() for name, value in predict(batch).items()}
 
 

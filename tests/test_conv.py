@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mrcnn_tf2.model.backbone import Conv2D
+from mrcnn_tf2.model.backbone import Conv2D, ConvBN
 from mrcnn_tf2.ops import conv as conv_ops
+from mrcnn_tf2.ops.fixed import fixed_weights
 
 pytestmark = pytest.mark.onednn  # the routes that conv_ops.ONEDNN picks, and the kernels under them
 
@@ -167,6 +168,63 @@ def test_conv2d_of_a_scaled_kernel_is_the_conv_of_the_product(monkeypatch, route
     assert len(products) == 2
     assert [op.control_inputs for op in products][0] == []
     assert [c.type for c in products[1].control_inputs] == ["Mul"]  # upstream's product: the output gradient
+
+
+
+class _Block(keras.layers.Layer):
+    """layers[1](layers[0](x)): ConvBN inside a layer, as in a model (Keras autocasts the variables of a layer
+    called at the top under a mixed policy, whatever its `autocast`)."""
+
+    def __init__(self, *layers):
+        super().__init__(name="block")
+        self.parts = list(layers)
+
+    def call(self, x, training=None):
+        return self.parts[1](self.parts[0](x, training=training))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_a_function_traced_on_fixed_weights_prepares_the_kernels_when_traced(monkeypatch, request, policy):
+    """Traced under fixed_weights, a ConvBN (batch norm on its moving statistics, folded into the kernel) and a
+    Conv2D, both of Winograd's route, fold and transform their kernels when traced: the function's graph holds
+    no batch norm fold (Rsqrt) and no kernel transform (MatMul), and its outputs are bit for
+    bit those of the function that prepares the kernels in every call. It keeps the weights it was traced on,
+    where the other follows a change of the variables."""
+    # bfloat16's 3x3 convs by Winograd's float32 route too, at this size (BFLOAT16_WINOGRAD).
+    for name, value in (("BFLOAT16_WINOGRAD", True), ("BFLOAT16_WINOGRAD_MIN_CHANNELS", 8),
+                        ("BFLOAT16_WINOGRAD_MIN_TILES", 0)):
+        monkeypatch.setattr(conv_ops, name, value)
+    keras.mixed_precision.set_global_policy(policy)  # for the layers' calls too
+    request.addfinalizer(lambda: keras.mixed_precision.set_global_policy("float32"))
+    conv_bn = ConvBN(16, 3, conv_route=conv_ops.WINOGRAD)
+    conv = Conv2D(8, 3, padding="same", activation="relu", conv_route=conv_ops.WINOGRAD)
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(1, 24, 32, 8)), tf.float32)  # 6 x 8 blocks: Winograd's route
+    block = _Block(conv_bn, conv)
+    block(x)
+    for variable in (conv_bn.bn.moving_mean, conv_bn.bn.moving_variance, conv_bn.bn.gamma, conv.bias):
+        variable.assign(rng.uniform(0.5, 2.0, size=variable.shape))
+
+    def step(x):
+        return block(x, training=False)
+
+    def fixed_step(x):
+        with fixed_weights():
+            return step(x)
+
+    spec = tf.TensorSpec(x.shape, tf.float32)
+    plain, fixed = (tf.function(fn).get_concrete_function(spec) for fn in (step, fixed_step))
+    types = [{op.type for op in fn.graph.get_operations()} for fn in (plain, fixed)]
+    assert {"Rsqrt", "MatMul"} <= types[0], types[0]
+    assert not {"Rsqrt", "MatMul"} & types[1], types[1]
+    before = plain(x).numpy()
+    np.testing.assert_array_equal(fixed(x).numpy(), before)
+    assert np.abs(before).max() > 0
+
+    conv.kernel.assign(conv.kernel * 2.0)
+    np.testing.assert_array_equal(fixed(x).numpy(), before)
+    np.testing.assert_array_equal(plain(x).numpy(), tf.function(step)(x).numpy())
+    assert not np.array_equal(plain(x).numpy(), before)
 
 
 @pytest.mark.parametrize("kernel_size,stride,padding,height,width",

@@ -312,7 +312,7 @@ def exported(model_dir, tmp_path_factory):
 def in_process(model_dir, photo):
     """In-process inference (as `main.py infer` runs it) on `photo`, with the pure-TF ops the export uses."""
     config = config_for("infer", "--model_dir", model_dir, "--custom_ops", "off")
-    predict = predict_function(load_model(config).model)
+    predict = predict_function(load_model(config).model, fixed_weights=True)
     ((_, batch),) = predictor.photo_batches([predictor.Photo(1, "photo", photo)], Preprocessor(config.data), 1)
     return predict_batch(predict, batch, config.eval.eval_batch_size)
 
@@ -325,6 +325,26 @@ def assert_same_detections(outputs, expected):
     assert int(expected["num_detections"][0]) > 0  # there is something to compare
     for key in OUTPUT_KEYS:
         np.testing.assert_allclose(outputs[key], expected[key], rtol=1e-4, atol=1e-4, err_msg=key)
+
+
+def test_a_loaded_model_predicts_on_its_checkpoints_weights_and_training_evaluation_on_the_current_ones(
+        model_dir, photo):
+    """load_model's predict function (fixed_weights) prepares the convs' kernels from the checkpoint's weights
+    when traced and keeps them; the one a model in training is evaluated with (ModelBackend's default, as
+    TrainingEvaluator makes it) reads the weights in every call."""
+    config = config_for("infer", "--model_dir", model_dir)
+    loaded = load_model(config)
+    fixed = predict_function(loaded.model, fixed_weights=True)
+    training = predictor.ModelBackend(loaded.model, config, loaded.ops.mask_encoder, "the model in training").predict
+    ((_, batch),) = predictor.photo_batches([predictor.Photo(1, "photo", photo)], Preprocessor(config.data), 1)
+    before = predict_batch(fixed, batch, config.eval.eval_batch_size)
+    assert_same_detections(predict_batch(training, batch, config.eval.eval_batch_size), before)
+    for variable in loaded.model.backbone.trainable_variables:  # every conv's kernel and batch norm
+        variable.assign(variable * 1.5)
+    for key, value in predict_batch(fixed, batch, config.eval.eval_batch_size).items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+    changed = predict_batch(training, batch, config.eval.eval_batch_size)
+    assert not np.allclose(changed["detection_scores"], before["detection_scores"], rtol=1e-3, atol=1e-3)
 
 
 # Runs in a fresh interpreter that imports TensorFlow only: neither this package nor its op library.
@@ -426,7 +446,7 @@ def test_loading_traces_the_one_function_that_batches_of_every_padded_size_take(
     """load_model traces evaluation's function without running it; batches padded to their own size, of any
     height and width, all take that trace."""
     loaded = load_model(config_for("infer", *OWN_SIZE_FLAGS, "--model_dir", model_dir, "--eval_batch_size", "1"))
-    predict = predict_function(loaded.model)
+    predict = predict_function(loaded.model, fixed_weights=True)
     assert predict.experimental_get_tracing_count() == 1
     for height, width in ((64, 96), (96, 64), (128, 128)):
         outputs = predict_batch(predict, {"images": tf.zeros([1, height, width, 3]),

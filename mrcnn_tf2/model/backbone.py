@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.model.tracking import TracksSublayers
 from mrcnn_tf2.ops import conv as conv_ops
+from mrcnn_tf2.ops import fixed
 
 BN_EPSILON = 1e-5
 BN_MOMENTUM = 0.9
@@ -139,9 +140,12 @@ class ConvBN(TracksSublayers, keras.layers.Layer):
             if residual is not None:
                 x = x + residual
             return tf.nn.relu(x) if self.relu else x
-        scale = self.bn.gamma * tf.math.rsqrt(self.bn.moving_variance + self.bn.epsilon)
-        bias = self.bn.beta - self.bn.moving_mean * scale
-        return conv_ops.conv2d(x, kernel, self.strides, self._padding, bias=tf.cast(bias, self.compute_dtype),
+        bn = self.bn
+        scale = fixed.once(lambda gamma, variance: gamma * tf.math.rsqrt(variance + bn.epsilon), bn.gamma,
+                            bn.moving_variance)
+        bias = fixed.once(lambda beta, mean, scale: tf.cast(beta - mean * scale, self.compute_dtype), bn.beta,
+                           bn.moving_mean, scale)
+        return conv_ops.conv2d(x, kernel, self.strides, self._padding, bias=bias,
                                residual=residual, relu=self.relu, route=self.conv_route, kernel_scale=scale)
 
     def _train_batch_norm(self, x, update_averages):

@@ -42,6 +42,10 @@ forward 20.6 -> 12.9 ms, input gradient 19.9 -> 16.9 ms; with oneDNN off TensorF
 174.7 ms, the product 39.1 ms (`scripts/benchmark_conv.py --shape 8 4 4 512`). At 6x6 the direct conv was
 faster again (6.9 against 7.6 ms).
 
+Where a function is traced on fixed weights (`ops.fixed`: inference on loaded weights), what a conv computes from
+its weights alone (the kernel's read and cast, a batch norm folded in, Winograd's kernel transform) is computed
+when it is traced, not in every call.
+
 All of the above answers a CPU's kernels. The fused ops have CPU kernels only: on a GPU they would run on
 the host, their tensors copied there and back. The oneDNN routes and the matrix-product gradient were
 measured against oneDNN's kernels only, and cost extra passes over memory (a flipped kernel, halves, one
@@ -60,6 +64,7 @@ import tensorflow as tf
 from tensorflow.python.util import _pywrap_util_port  # the one way to ask whether oneDNN's kernels are on
 
 from mrcnn_tf2.devices import cpu_flags
+from mrcnn_tf2.ops import fixed
 from mrcnn_tf2.ops import fused as fused_ops
 
 ONEDNN = _pywrap_util_port.IsMklEnabled()
@@ -302,11 +307,12 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
     if route not in ROUTES:
         raise ValueError(f"conv route {route!r} is not one of {ROUTES}")
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
-    kernel = tf.convert_to_tensor(kernel)
+    kernel = fixed.once(tf.convert_to_tensor, kernel)
     by_winograd = _bfloat16_winograd(inputs, kernel, strides, padding, route)
     if by_winograd is not False:
         def in_float32():
-            x, w, b, r = (None if t is None else tf.cast(t, tf.float32) for t in (inputs, kernel, bias, residual))
+            x, b, r = (None if t is None else tf.cast(t, tf.float32) for t in (inputs, bias, residual))
+            w = fixed.once(lambda k: tf.cast(k, tf.float32), kernel)
             return tf.cast(_block(x, w, kernel_scale, strides, padding, b, r, relu, route), inputs.dtype)
 
         if by_winograd is True:
@@ -465,7 +471,7 @@ def _cpu_conv(inputs, kernel, scale, strides, padding, route, bias=None, relu=Fa
                     **dict(conv, padding="EXPLICIT"))
             return input_grad, kernel_grad
 
-        w = _folded(raw, scales[0] if scales else None, x.dtype)
+        w = fixed.once(lambda k, s: _folded(k, s, x.dtype), raw, scales[0]) if scales else raw
         if biases or relu:
             outputs = fused_ops.conv2d_3x3(x, w, *biases, relu=relu)
         else:

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from mrcnn_tf2.ops import anchors as anchor_ops
+from mrcnn_tf2.ops import fixed
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.ops import roi_align, roi_ops
 
@@ -280,6 +281,11 @@ _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32
 _WINOGRAD_BAND_BYTES = 32 * 2**20
 
 
+def _winograd_kernel(kernel):
+    """U = G g G^T of every channel pair: [3, 3, C_in, C_out] -> [36, C_in, C_out]."""
+    return tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])), [36, *kernel.shape[2:]])
+
+
 def conv2d_3x3(inputs, kernel, bias=None, relu=False):
     """Fused tf.nn.conv2d(inputs, kernel, 1, 'SAME') for a 3x3 kernel, by Winograd's F(4x4, 3x3), then + bias
     and ReLU if asked.
@@ -303,8 +309,7 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False):
     # After the input: in a backward pass the flipped kernel is there long before the output gradient, and
     # the executor would transform every conv's kernel at once and hold them all (36 x C_in x C_out each).
     with tf.control_dependencies([inputs]):
-        transformed = tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])),
-                                 [36, in_channels, out_channels])
+        transformed = fixed.once(_winograd_kernel, kernel)
     # Band after band into one buffer, each band's tiles and products made after the previous band's are
     # gone: a large conv's tiles and products (2.25x its input's and its output's memory) are never all there.
     outputs = None

@@ -190,7 +190,7 @@ def benchmark(config):
         print(f"[infer] no checkpoint in {runtime.model_dir}: timing freshly initialised weights", file=sys.stderr)
     dataset = InputPipeline(config, training=False).dataset(config.data.resolved_validation_pattern(), batch_size)
     dataset = dataset.take(1).cache().repeat() if config.data.use_synthetic_data else dataset.repeat()
-    predict = predict_function(loaded.model, runtime.eagerly)
+    predict = predict_function(loaded.model, runtime.eagerly, fixed_weights=True)
     batches = iter(dataset)
     step_times = []
     for step in range(runtime.log_warmup_steps + runtime.benchmark_steps):

@@ -1,9 +1,10 @@
 """Prediction, shared by `main.py eval`, `main.py infer`, `main.py export` and Python callers (`Predictor`).
 
 `load_model` builds the model the config describes (through the factory, which chooses its ops) and
-restores the newest checkpoint's weights; `predict_function` is its traced predict step, one per model;
-`pad_batch` and `predict_batch` run a batch of any size up to the batch size through that one trace.
-Training evaluates its live model with the same `predict_function`.
+restores the newest checkpoint's weights; `predict_function` is its traced predict step, one per model, on the
+weights as they are then (`fixed_weights`); `pad_batch` and `predict_batch` run a batch of any size up to the
+batch size through that one trace. Training evaluates its live model with a `predict_function` that reads the
+weights in every call.
 
 `Predictor` is the one inference path of `main.py infer` and of code that calls the model on images: images in,
 detections per image out, through a backend: the newest checkpoint of a model directory in TensorFlow, or an
@@ -12,6 +13,7 @@ exported artefact in its runtime (`mrcnn_tf2.runtime.deploy`). It reads image fi
 Glossary: B the batch size (eval.eval_batch_size), b <= B the images of one batch, H x W = data.image_size.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,32 +30,43 @@ from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.ops import masks as mask_ops
+from mrcnn_tf2.ops import fixed
 from mrcnn_tf2.runtime import deploy
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 
-# One traced predict function per model, so that repeated evaluations during training trace once.
+# The traced predict functions of each model, {fixed_weights: function}, so that repeated evaluations during training
+# trace once.
 _PREDICT_FUNCTIONS = weakref.WeakKeyDictionary()
 
 
-def predict_function(model, eagerly=False):
+def predict_function(model, eagerly=False, fixed_weights=False):
     """`model.predict_step` as a tf.function (the eager method itself when `eagerly`), cached per model.
 
     The returned callable maps a batch dict (images [B, H, W, 3] float32, image_info [B, 5] float32,
     source_ids [B] int64) to the predict_step outputs (see MaskRCNN).
+
+    fixed_weights: the model's weights stay as they are for as long as the function is called (a model loaded
+    for inference): what the convs compute from their weights alone (folded batch norms, Winograd's kernel
+    transforms) is computed when it is traced, not in every call (`ops.fixed`). False for a model in
+    training, whose weights change between calls.
     """
     if eagerly:
         return model.predict_step
-    function = _PREDICT_FUNCTIONS.get(model)
-    if function is None:
+    functions = _PREDICT_FUNCTIONS.setdefault(model, {})
+    if fixed_weights not in functions:
         # A weak reference: the cache must not keep a discarded model (and its graph) alive.
         model_ref = weakref.ref(model)
+
+        def predict(batch):
+            with fixed.fixed_weights() if fixed_weights else contextlib.nullcontext():
+                return model_ref().predict_step(batch)
+
         # reduce_retracing: batches padded to their own size (data.pad_to_multiple) share a trace of
         # unknown height and width after the first few sizes, instead of one trace per size.
         # Without autograph, as the training step (runtime/train.py).
-        function = tf.function(lambda batch: model_ref().predict_step(batch), reduce_retracing=True, autograph=False)
-        _PREDICT_FUNCTIONS[model] = function
-    return function
+        functions[fixed_weights] = tf.function(predict, reduce_retracing=True, autograph=False)
+    return functions[fixed_weights]
 
 
 def pad_batch(batch, batch_size):
@@ -129,9 +142,10 @@ class LoadedModel:
 def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
     """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
 
-    Only the model is read (training checkpoints also hold the optimizer). `predict_function` is traced (not
-    run) for batches of eval.eval_batch_size, the trace that evaluation and inference then use (with
-    data.pad_to_multiple, of any height and width); not for an export, nor with runtime.eagerly.
+    Only the model is read (training checkpoints also hold the optimizer). `predict_function` with fixed_weights
+    is traced (not run) on those weights for batches of eval.eval_batch_size, the trace that evaluation and
+    inference then use (with data.pad_to_multiple, of any height and width); not for an export, nor with
+    runtime.eagerly.
     Prints the precision and the ops the model was built with (`describe_precision`, `OpChoice.describe`) on
     rank 0 of `world` (runtime.distributed.World: every rank of a job loads the model).
 
@@ -158,28 +172,31 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
         print(f"[model] {ops.describe()}", flush=True)
     model.build()
+    step = 0
+    if checkpoint is not None:
+        step_variable = tf.Variable(0, dtype=tf.int64, trainable=False)
+        # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
+        try:
+            restored = tf.train.Checkpoint(model=model, step=step_variable).read(checkpoint)
+            restored.expect_partial().assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
+        step = int(step_variable.numpy())
     if not (export or config.runtime.eagerly):
-        # Evaluation's trace, made here without running the model (an export traces its own functions). On the
-        # canvas every batch has the eval batch's shape; batches padded to their own size vary in height and
-        # width, and share one trace in which both are unknown. The batch stays static: a batch of one then
-        # takes oneDNN's batch-of-one conv routes without a cond (ops/conv.py).
+        # Evaluation's trace, made here without running the model (an export traces its own functions), on the
+        # weights just read (`predict_function`'s fixed_weights=True). On the canvas every batch has the eval batch's
+        # shape; batches padded to their own size vary in height and width, and share one trace in which both
+        # are unknown. The batch stays static: a batch of one then takes oneDNN's batch-of-one conv routes
+        # without a cond (ops/conv.py).
         batch_size = config.eval.eval_batch_size
         height, width = config.data.image_size if config.data.pad_to_multiple is None else (None, None)
-        predict_function(model).get_concrete_function({
+        predict_function(model, fixed_weights=True).get_concrete_function({
             "images": tf.TensorSpec([batch_size, height, width, 3], tf.float32),
             "image_info": tf.TensorSpec([batch_size, 5], tf.float32),
             "source_ids": tf.TensorSpec([batch_size], tf.int64),
         })
-    if checkpoint is None:
-        return LoadedModel(model, None, 0, policy, ops)
-    step = tf.Variable(0, dtype=tf.int64, trainable=False)
-    # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
-    try:
-        tf.train.Checkpoint(model=model, step=step).read(checkpoint).expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
-    return LoadedModel(model, checkpoint, int(step.numpy()), policy, ops)
+    return LoadedModel(model, checkpoint, step, policy, ops)
 
 
 # -- images in ----------------------------------------------------------------------------------------------
@@ -292,11 +309,12 @@ class ModelBackend:
     """A built MaskRCNN in TensorFlow: `backend(batch)` -> `predict_batch`'s outputs. Batches of up to
     eval.eval_batch_size images (of one padded shape under data.pad_to_multiple)."""
 
-    def __init__(self, model, config, mask_encoder, description):
+    def __init__(self, model, config, mask_encoder, description, fixed_weights=False):
         """model: the built MaskRCNN; config: the run's Config; mask_encoder: its `OpChoice.mask_encoder`;
-        description: what it is, for the run's summary line."""
+        description: what it is, for the run's summary line; fixed_weights: the model's weights stay as they
+        are (`predict_function`)."""
         self.model = model
-        self.predict = predict_function(model, config.runtime.eagerly)
+        self.predict = predict_function(model, config.runtime.eagerly, fixed_weights)
         self.batch_size = config.eval.eval_batch_size
         self.run_size = None if config.data.pad_to_multiple is not None else self.batch_size
         self.mask_encoder = mask_encoder
@@ -308,7 +326,7 @@ class ModelBackend:
         """The newest checkpoint of config.runtime.model_dir (`load_model`, on each rank of `world`)."""
         loaded = load_model(config, world=world)
         backend = cls(loaded.model, config, loaded.ops.mask_encoder,
-                      f"checkpoint {loaded.checkpoint}, step {loaded.step}")
+                      f"checkpoint {loaded.checkpoint}, step {loaded.step}", fixed_weights=True)
         backend.loaded = loaded
         return backend
 
