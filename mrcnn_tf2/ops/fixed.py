@@ -2,10 +2,10 @@
 
 Inference on loaded weights calls one traced function for every image, and each call would prepare the same
 kernels again from the variables (a batch norm folded into its conv's kernel, Winograd's transform of a 3x3
-kernel; docs/PERFORMANCE.md has their share of a step). A function traced
-under `fixed_weights` computes each `once(fn, *weights)` when it is traced, from the weights' values then, and
-captures the result as a constant of every call. Training, and evaluation of a model in training, trace
-without it: their weights change between calls.
+kernel; docs/PERFORMANCE.md has their share of a step). A function traced under `fixed_weights` computes each
+`once(fn, *weights)` when it is traced, from the weights' values then, and captures the result as a constant of
+every call. Training, and evaluation of a model in training, trace without it: their weights change between
+calls.
 """
 
 import contextlib
