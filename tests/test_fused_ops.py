@@ -122,19 +122,24 @@ def test_factory_passes_the_choice_to_the_stages():
 # -- 3x3 convolution (Winograd) ----------------------------------------------------------------------------
 
 @pytest.mark.onednn  # the reference conv, and the matrix products between the transforms, are oneDNN's or not
+@pytest.mark.parametrize("block", [4, 6])
 @pytest.mark.parametrize("shape, out_channels", [
-    ((1, 9, 13, 5), 7),  # sides not multiples of the 4x4 output block
+    ((1, 9, 13, 5), 7),  # sides not multiples of the output block
     ((2, 8, 8, 70), 3),  # channels past one of the kernels' 64-channel blocks
     ((3, 1, 1, 4), 4),  # one pixel: a block that is almost all padding
     ((1, 16, 12, 64), 64),
 ])
-def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
+def test_conv2d_3x3_matches_tf_conv(rng, monkeypatch, shape, out_channels, block):
+    """Both F(4x4, 3x3) and F(6x6, 3x3) (each forced here; fused.winograd_block picks one by the map's size), and
+    one trace for maps of any size: the same output."""
+    monkeypatch.setattr(fused, "winograd_block", lambda shape: block)
     x = tf.constant(rng.normal(size=shape), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, shape[3], out_channels)), tf.float32)
     want = tf.nn.conv2d(x, w, 1, "SAME").numpy()
     got = fused.conv2d_3x3(x, w)
     assert got.shape == want.shape
-    # Winograd's rounding: about 1e-5 of the output's scale (the op's documented bound, with margin).
+    # Winograd's rounding: about 1e-5 (F(4x4, 3x3)) or 2e-5 (F(6x6, 3x3)) of the output's scale, the op's
+    # documented bound, with margin.
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-4 * np.abs(want).max())
     dynamic = tf.function(fused.conv2d_3x3, input_signature=[tf.TensorSpec([None, None, None, shape[3]]),
                                                              tf.TensorSpec(w.shape)])
@@ -142,9 +147,11 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels):
 
 
 @pytest.mark.onednn  # the reference gradient, and the matrix products between the transforms, are oneDNN's or not
+@pytest.mark.parametrize("block", [4, 6])
 @pytest.mark.parametrize("shape, out_channels", [((1, 9, 13, 5), 7), ((2, 8, 8, 70), 3), ((3, 1, 1, 4), 4),
                                                  ((2, 16, 12, 64), 64)])
-def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels):
+def test_conv2d_3x3_kernel_gradient_matches_tf(rng, monkeypatch, shape, out_channels, block):
+    monkeypatch.setattr(fused, "winograd_block", lambda shape: block)
     x = tf.constant(rng.normal(size=shape), tf.float32)
     out_grad = tf.constant(rng.normal(size=shape[:3] + (out_channels,)), tf.float32)
     want = tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=[3, 3, shape[3], out_channels], out_backprop=out_grad,
@@ -152,6 +159,35 @@ def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels):
     got = fused.conv2d_3x3_kernel_gradient(x, out_grad).numpy()
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_winograd_takes_6x6_blocks_on_large_maps(rng):
+    """F(6x6, 3x3) on maps of at least WINOGRAD_6X6_MIN_BLOCKS 6x6 blocks over the batch where it takes fewer
+    products than F(4x4, 3x3), and on maps of unknown size; F(4x4, 3x3) elsewhere. The conv and its kernel
+    gradient run the chosen one's ops."""
+    assert fused.WINOGRAD_6X6_MIN_BLOCKS == 256
+    cases = {
+        (1, 200, 272): 6,  # P2 at 800x1088: 1564 blocks, 64 x 1564 products against 36 x 3400
+        (1, 100, 136): 6,  # 391 blocks
+        (2, 50, 68): 4,  # 216 blocks: too few
+        (3, 50, 68): 6,
+        (100, 14, 14): 4,  # the mask head's RoIs: 9 x 64 products per RoI, as many as 16 x 36
+        (None, 14, 14): 4,
+        (300, 8, 8): 4,  # 4 x 64 against 4 x 36
+        (1, None, None): 6,
+        (None, None, None): 6,
+    }
+    assert {shape: fused.winograd_block(shape) for shape in cases} == cases
+    assert fused._winograd_bands((2, 13, 17), 8, 6) == [(0, 6)]  # 2 images of 3 lines of 6x6 blocks
+    kernel = tf.constant(rng.normal(size=(3, 3, 4, 4)), tf.float32)
+    for size, block in (([1, 100, 136], 6), ([100, 14, 14], 4)):
+        x = tf.zeros(size + [4])
+        graphs = [tf.function(fused.conv2d_3x3).get_concrete_function(x, kernel).graph,
+                  tf.function(fused.conv2d_3x3_kernel_gradient).get_concrete_function(x, x).graph]
+        ops = [op for graph in graphs for op in graph.get_operations() if op.type.startswith("MrcnnWinograd")]
+        assert sorted({op.type for op in ops}) == ["MrcnnWinogradInput", "MrcnnWinogradOutput",
+                                                   "MrcnnWinogradOutputAdjoint"]
+        assert {op.get_attr("block") for op in ops} == {block}
 
 
 @pytest.mark.onednn
@@ -162,7 +198,7 @@ def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
     w = tf.constant(rng.normal(size=(3, 3, 3, 2)), tf.float32)
     whole = fused.conv2d_3x3(x, w).numpy()
     monkeypatch.setattr(fused, "_WINOGRAD_BAND_BYTES", 36 * 4 * 2 * 3 * 2)  # two lines' tiles per band
-    assert fused._winograd_bands(x.shape[:3], 3) == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
+    assert fused._winograd_bands(x.shape[:3], 3, 4) == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
     banded = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
     transforms = [op for op in banded.graph.get_operations() if op.type == "MrcnnWinogradInput"]
     outputs = [op for op in banded.graph.get_operations() if op.type.startswith("MrcnnWinogradOutput")]
@@ -204,30 +240,34 @@ def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
     np.testing.assert_allclose(banded(x, out_grad).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
-def test_winograd_outputs_write_their_band_and_keep_the_rest(library, rng):
-    """MrcnnWinogradOutput writes the 4x4 blocks of its band's tiles into zeros, MrcnnWinogradOutputInto into
-    base, and the other lines stay as they were (base is also the caller's here, so the op copies it rather
-    than writing in place, and the caller's base is unchanged). With a bias and relu, the band's blocks are
+@pytest.mark.parametrize("block", [4, 6])
+def test_winograd_outputs_write_their_band_and_keep_the_rest(library, rng, block):
+    """MrcnnWinogradOutput writes the blocks of its band's tiles into zeros, MrcnnWinogradOutputInto into base,
+    and the other lines stay as they were (base is also the caller's here, so the op copies it rather than
+    writing in place, and the caller's base is unchanged). With a bias and relu, the band's blocks are
     max(block + bias, 0) and nothing else changes."""
-    products = tf.constant(rng.normal(size=[36, 2, 3]), tf.float32)  # one line of 2 tiles
-    size = tf.constant([2, 8, 6])  # 2 lines of tiles per image, 2 tiles across
+    m, points = block, (block + 2) ** 2
+    products = tf.constant(rng.normal(size=[points, 2, 3]), tf.float32)  # one line of 2 tiles
+    size = tf.constant([2, 2 * m, 2 * m - 2])  # 2 lines of tiles per image, 2 tiles across (the second cut)
+    ops = dict(block=block)
     # The band as line 1 (the first image's second tile row) of a whole output whose other tiles are zeros.
-    whole = library.mrcnn_winograd_output(tf.concat([tf.zeros([36, 2, 3]), products, tf.zeros([36, 4, 3])], 1),
-                                          size, bias=[]).numpy()
-    assert np.all(whole[0, 4:8] != 0) and not np.any(np.delete(whole, [4, 5, 6, 7], 1)) and not np.any(whole[1])
+    whole = library.mrcnn_winograd_output(
+        tf.concat([tf.zeros([points, 2, 3]), products, tf.zeros([points, 4, 3])], 1), size, bias=[], **ops).numpy()
+    rows = list(range(m, 2 * m))
+    assert np.all(whole[0, rows] != 0) and not np.any(np.delete(whole, rows, 1)) and not np.any(whole[1])
     bias = np.float32([0.5, -0.25, 2.0])
     for epilogue in ({"bias": []}, {"bias": [bias]}, {"bias": [], "relu": True}, {"bias": [bias], "relu": True}):
         band = whole.copy()
-        band[0, 4:8] += bias if epilogue["bias"] else 0
-        band[0, 4:8] = np.maximum(band[0, 4:8], 0) if epilogue.get("relu") else band[0, 4:8]
-        assert np.any(band[0, 4:8] < 0) != epilogue.get("relu", False)
+        band[0, rows] += bias if epilogue["bias"] else 0
+        band[0, rows] = np.maximum(band[0, rows], 0) if epilogue.get("relu") else band[0, rows]
+        assert np.any(band[0, rows] < 0) != epilogue.get("relu", False)
         np.testing.assert_array_equal(
-            library.mrcnn_winograd_output(products, size, first_line=1, **epilogue).numpy(), band)
-        base = tf.fill([2, 8, 6, 3], -7.0)
-        want = np.full([2, 8, 6, 3], -7.0, np.float32)
-        want[0, 4:8] = band[0, 4:8]
+            library.mrcnn_winograd_output(products, size, first_line=1, **epilogue, **ops).numpy(), band)
+        base = tf.fill([2, 2 * m, 2 * m - 2, 3], -7.0)
+        want = np.full([2, 2 * m, 2 * m - 2, 3], -7.0, np.float32)
+        want[0, rows] = band[0, rows]
         np.testing.assert_array_equal(
-            library.mrcnn_winograd_output_into(base, products, first_line=1, **epilogue).numpy(), want)
+            library.mrcnn_winograd_output_into(base, products, first_line=1, **epilogue, **ops).numpy(), want)
         np.testing.assert_array_equal(base.numpy(), -7.0)
 
 
@@ -294,8 +334,17 @@ def test_winograd_ops_name_a_wrong_band(library):
         library.mrcnn_winograd_output(tf.zeros([36, 5, 3]), tf.constant([1, 8, 8]), bias=[])
     with pytest.raises(tf.errors.InvalidArgumentError, match="band of 2 lines from line 1 is past the 2 lines"):
         library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 3]), bias=[], first_line=1)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"products must be \[36, T, C\], got \[36,4\]"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"products must be \[36, T, C\] for blocks of 4x4, got \[36,4\]"):
         library.mrcnn_winograd_output(tf.zeros([36, 4]), tf.constant([1, 8, 8]), bias=[])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"products must be \[64, T, C\] for blocks of 6x6, got \[36,4,3\]"):
+        library.mrcnn_winograd_output(tf.zeros([36, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=6)
+    for op in (lambda: library.mrcnn_winograd_input(base, block=5),
+               lambda: library.mrcnn_winograd_output_adjoint(base, block=8),
+               lambda: library.mrcnn_winograd_output(tf.zeros([49, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=5)):
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=r"block must be 4 or 6 \(F\(m x m"):
+            op()
     with pytest.raises(tf.errors.InvalidArgumentError, match="do not have the channels of the output"):
         library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 2]), bias=[], first_line=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"bias must be \[C\] for an output of \[1,8,8,3\]"):

@@ -266,14 +266,18 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
                                           labels, positive_indices)
 
 
-# -- 3x3 convolution by Winograd's F(4x4, 3x3) ---------------------------------------------------------------
+# -- 3x3 convolution by Winograd's F(4x4, 3x3) and F(6x6, 3x3) -------------------------------------------------
 
-# Its kernel transform G (6 x 3), Lavin & Gray (2015); the pixels' transforms B^T and A^T are in
-# ops/winograd_op.cc. U = G g G^T for every channel pair is one matrix product with kron(G, G) (36 x 9):
-# U[6a + b] = sum over taps (i, j) of G[a, i] G[b, j] g[i, j].
-_WINOGRAD_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
-                        [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])
-_WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
+# The kernel transforms G ((m + 2) x 3) of the output blocks' sides m, Lavin & Gray (2015); the pixels' transforms
+# B^T and A^T are in ops/winograd_op.cc. U = G g G^T for every channel pair is one matrix product with kron(G, G)
+# ((m + 2)^2 x 9): U[(m + 2) a + b] = sum over taps (i, j) of G[a, i] G[b, j] g[i, j].
+_WINOGRAD_G = {
+    4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
+                 [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
+    6: np.array([[1, 0, 0], [-2 / 9, -2 / 9, -2 / 9], [-2 / 9, 2 / 9, -2 / 9], [1 / 90, 1 / 45, 2 / 45],
+                 [1 / 90, -1 / 45, 2 / 45], [32 / 45, 16 / 45, 8 / 45], [32 / 45, -16 / 45, 8 / 45], [0, 0, 1]]),
+}
+_WINOGRAD_KERNEL_TRANSFORM = {m: np.kron(g, g).astype(np.float32) for m, g in _WINOGRAD_G.items()}
 # The most bytes of transformed tiles (or of their products) computed at once: an eighth of P2's at 800x1088,
 # batch 2, which lowers a training step's peak memory and not its speed (CHANGELOG). Less than half of a
 # P2-sized tensor: TensorFlow's CPU allocator serves a request from a free block of less than twice its size
@@ -281,19 +285,46 @@ _WINOGRAD_KERNEL_TRANSFORM = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32
 _WINOGRAD_BAND_BYTES = 32 * 2**20
 
 
-def _winograd_kernel(kernel):
-    """U = G g G^T of every channel pair: [3, 3, C_in, C_out] -> [36, C_in, C_out]."""
-    return tf.reshape(tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(kernel, [9, -1])), [36, *kernel.shape[2:]])
+# The fewest 6x6 output blocks (over the batch) for F(6x6, 3x3): its 64 matrix products of fewer rows each run
+# slower, and below this it was no faster than F(4x4, 3x3) (a map of 50x68 at batch 1, 108 blocks) or slower.
+WINOGRAD_6X6_MIN_BLOCKS = 256
+
+
+def winograd_block(shape):
+    """The output blocks' side m (4 or 6) of the Winograd route for an input of `shape` (B, H, W; None where
+    unknown).
+
+    F(6x6, 3x3) takes 64 products for 36 output pixels, F(4x4, 3x3) 36 for 16: 21% fewer on a large map, and
+    its transforms write fewer bytes. It runs on maps of at least WINOGRAD_6X6_MIN_BLOCKS blocks where it saves
+    products: a 14x14 map takes as many either way (9 blocks of 6x6, 16 of 4x4), and there the more accurate
+    F(4x4, 3x3) runs. A map whose size is known only at run time is a large one (the model's maps of images of
+    any size): 6.
+    """
+    batch, height, width = shape
+    if height is None or width is None:
+        return 6
+    def blocks(m):
+        return -(-height // m) * -(-width // m)
+    if (batch or 1) * blocks(6) < WINOGRAD_6X6_MIN_BLOCKS or 64 * blocks(6) >= 36 * blocks(4):
+        return 4
+    return 6
+
+
+def _winograd_kernel(kernel, block):
+    """U = G g G^T of every channel pair: [3, 3, C_in, C_out] -> [(m + 2)^2, C_in, C_out], m = block."""
+    transform = _WINOGRAD_KERNEL_TRANSFORM[block]
+    return tf.reshape(tf.matmul(transform, tf.reshape(kernel, [9, -1])), [transform.shape[0], *kernel.shape[2:]])
 
 
 def conv2d_3x3(inputs, kernel, bias=None, relu=False):
-    """Fused tf.nn.conv2d(inputs, kernel, 1, 'SAME') for a 3x3 kernel, by Winograd's F(4x4, 3x3), then + bias
+    """Fused tf.nn.conv2d(inputs, kernel, 1, 'SAME') for a 3x3 kernel, by Winograd's F(m x m, 3x3), then + bias
     and ReLU if asked.
 
-    36 matrix products [T, C_in] x [C_in, C_out] over the T 4x4 output blocks replace the 144 of a direct
-    conv; the kernels transform the pixels to and from Winograd's domain, the output transform adding the
-    bias and applying the ReLU as it writes each block (no passes of their own). Float rounding differs from
-    the twin's by about 1e-5 of the output's scale. No gradient: conv_ops.conv2d's custom gradient has its own.
+    (m + 2)^2 matrix products [T, C_in] x [C_in, C_out] over the T m x m output blocks replace the 9 m^2 of a
+    direct conv (m from `winograd_block`); the kernels transform the pixels to and from Winograd's domain, the
+    output transform adding the bias and applying the ReLU as it writes each block (no passes of their own).
+    Float rounding differs from the twin's by about 1e-5 of the output's scale (m = 4) or 2e-5 (m = 6). No
+    gradient: conv_ops.conv2d's custom gradient has its own.
 
     Args:
       inputs: [B, H, W, C_in] float32.
@@ -306,18 +337,20 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False):
     """
     library = load_library()
     in_channels, out_channels = inputs.shape[3], kernel.shape[3]
+    block = winograd_block(inputs.shape[:3])
     # After the input: in a backward pass the flipped kernel is there long before the output gradient, and
-    # the executor would transform every conv's kernel at once and hold them all (36 x C_in x C_out each).
+    # the executor would transform every conv's kernel at once and hold them all ((m + 2)^2 x C_in x C_out each).
     with tf.control_dependencies([inputs]):
-        transformed = fixed.once(_winograd_kernel, kernel)
+        transformed = fixed.once(lambda k: _winograd_kernel(k, block), kernel)
     # Band after band into one buffer, each band's tiles and products made after the previous band's are
-    # gone: a large conv's tiles and products (2.25x its input's and its output's memory) are never all there.
+    # gone: a large conv's tiles and products (about twice its input's and its output's memory) are never all
+    # there.
     outputs = None
-    for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels)):
+    for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels), block):
         with tf.control_dependencies([] if outputs is None else [outputs]):
-            tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines)
-        products = tf.matmul(tiles, transformed)  # [36, T_band, C_out]
-        epilogue = dict(bias=[] if bias is None else [bias], relu=relu, first_line=first_line)
+            tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines, block=block)
+        products = tf.matmul(tiles, transformed)  # [(m + 2)^2, T_band, C_out]
+        epilogue = dict(bias=[] if bias is None else [bias], relu=relu, first_line=first_line, block=block)
         outputs = (library.mrcnn_winograd_output(products, tf.shape(inputs)[:3], **epilogue) if outputs is None
                    else library.mrcnn_winograd_output_into(outputs, products, **epilogue))
     outputs.set_shape(inputs.shape[:3] + kernel.shape[3:])
@@ -326,10 +359,10 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False):
 
 def conv2d_3x3_kernel_gradient(inputs, out_grad):
     """Gradient with respect to the kernel of conv2d_3x3 (or tf.nn.conv2d at stride 1, 'SAME'), by Winograd's
-    F(4x4, 3x3) too: the 36 products [C_in, T] x [T, C_out] of the input's tiles and the output gradient's
-    (dM = A dY A^T per 4x4 block, ops/winograd_op.cc) do the work of the 144 of a direct kernel gradient, and
-    U = G g G^T transposed (dg = G^T dU G) brings their sum back to the 3x3 taps. Float rounding differs from
-    TensorFlow's kernel gradient by about 1e-5 of the gradient's scale.
+    F(m x m, 3x3) too (m from `winograd_block`): the (m + 2)^2 products [C_in, T] x [T, C_out] of the input's
+    tiles and the output gradient's (dM = A dY A^T per m x m block, ops/winograd_op.cc) do the work of the 9 m^2
+    of a direct kernel gradient, and U = G g G^T transposed (dg = G^T dU G) brings their sum back to the 3x3
+    taps. Float rounding differs from TensorFlow's kernel gradient by about 1e-5 of the gradient's scale.
 
     Args:
       inputs: [B, H, W, C_in] float32, the conv's input.
@@ -340,30 +373,33 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad):
     """
     library = load_library()
     in_channels, out_channels = inputs.shape[3], out_grad.shape[3]
+    block = winograd_block(inputs.shape[:3])
     # The input's tiles need only the forward's input, so TensorFlow's executor would transform it as soon as
     # the forward pass had it and hold the tiles until the gradient arrived: the tiles of every such conv at
     # once. So the first band waits for the output gradient, and each later band for the sum so far (one band's
     # tiles at a time).
     summed = out_grad
-    for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels)):
+    for first_line, lines in _winograd_bands(inputs.shape[:3], max(in_channels, out_channels), block):
         with tf.control_dependencies([summed]):
-            tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines)
-            grad_tiles = library.mrcnn_winograd_output_adjoint(out_grad, first_line=first_line, lines=lines)
-        products = tf.matmul(tiles, grad_tiles, transpose_a=True)  # [36, C_in, C_out]
+            tiles = library.mrcnn_winograd_input(inputs, first_line=first_line, lines=lines, block=block)
+            grad_tiles = library.mrcnn_winograd_output_adjoint(out_grad, first_line=first_line, lines=lines,
+                                                               block=block)
+        products = tf.matmul(tiles, grad_tiles, transpose_a=True)  # [(m + 2)^2, C_in, C_out]
         summed = products if summed is out_grad else summed + products
-    kernel_grad = tf.matmul(_WINOGRAD_KERNEL_TRANSFORM, tf.reshape(summed, [36, -1]), transpose_a=True)
+    transform = _WINOGRAD_KERNEL_TRANSFORM[block]
+    kernel_grad = tf.matmul(transform, tf.reshape(summed, [transform.shape[0], -1]), transpose_a=True)
     return tf.reshape(kernel_grad, [3, 3, in_channels, out_channels])
 
 
-def _winograd_bands(shape, channels):
+def _winograd_bands(shape, channels, block):
     """(first_line, lines) of the bands of tile lines (an image's tile row: ops/winograd_op.cc) that Winograd's
-    route takes in turn, for an input of `shape` (B, H, W; None where unknown) and at most `channels` channels in
-    or out: nearly equal bands of at most _WINOGRAD_BAND_BYTES of tiles, or one band of all (-1) if the size is
-    known only at run time."""
+    route takes in turn, for an input of `shape` (B, H, W; None where unknown), at most `channels` channels in
+    or out and blocks of `block` x `block` pixels: nearly equal bands of at most _WINOGRAD_BAND_BYTES of tiles,
+    or one band of all (-1) if the size is known only at run time."""
     batch, height, width = shape
     if None in (batch, height, width):
         return [(0, -1)]
-    lines, line_bytes = batch * -(-height // 4), 36 * 4 * -(-width // 4) * channels
+    lines, line_bytes = batch * -(-height // block), (block + 2) ** 2 * 4 * -(-width // block) * channels
     bands = max(1, min(lines, -(-lines * line_bytes // _WINOGRAD_BAND_BYTES)))
     sizes = [lines // bands + (i < lines % bands) for i in range(bands)]
     return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
