@@ -15,9 +15,9 @@
 // Glossary: B batch, H x W image, C channels, P = (m + 2)^2 points, T = B * ceil(H / m) * ceil(W / m) tiles,
 // in the order (b, tile row, tile column); tile (ty, tx) covers output rows m ty..m ty + m - 1 and the same
 // columns, and reads input rows m ty - 1..m ty + m (zero outside the image: the 'SAME' padding of one pixel).
-// A line is the ceil(W / m) tiles of one tile row of one image, B * ceil(H / m) lines in all. The ops take a band of
-// consecutive lines (attrs first_line, lines), so that a large conv's tiles need not exist all at once: its
-// output is written band by band into one buffer (MrcnnWinogradOutput makes it with the first band's blocks,
+// A line is the ceil(W / m) tiles of one tile row of one image, B * ceil(H / m) lines in all. The ops take a
+// band of consecutive lines (attrs first_line, lines), so that a large conv's tiles need not exist all at once:
+// its output is written band by band into one buffer (MrcnnWinogradOutput makes it with the first band's blocks,
 // MrcnnWinogradOutputInto adds each later band's in place).
 
 #include <algorithm>

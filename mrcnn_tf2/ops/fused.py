@@ -303,9 +303,8 @@ def winograd_block(shape):
     batch, height, width = shape
     if height is None or width is None:
         return 6
-    def blocks(m):
-        return -(-height // m) * -(-width // m)
-    if (batch or 1) * blocks(6) < WINOGRAD_6X6_MIN_BLOCKS or 64 * blocks(6) >= 36 * blocks(4):
+    blocks4, blocks6 = (-(-height // m) * -(-width // m) for m in (4, 6))
+    if (batch or 1) * blocks6 < WINOGRAD_6X6_MIN_BLOCKS or 64 * blocks6 >= 36 * blocks4:
         return 4
     return 6
 
