@@ -266,13 +266,13 @@ MRCNN_INLINE void OutputRows6(const float* __restrict__ x, int64_t x_step, float
 // An image's grid of m x m blocks, and the band of them an op computes: tiles [first, first + count) of the
 // batch's.
 struct Grid {
-  int64_t batch, height, width, block, tile_rows, tile_cols, first, count;
+  int64_t batch, height, width, tile_rows, tile_cols, first, count;
   int64_t lines() const { return batch * tile_rows; }
 };
 
 Grid MakeGrid(int64_t batch, int64_t height, int64_t width, int block) {
   const int64_t tile_rows = (height + block - 1) / block, tile_cols = (width + block - 1) / block;
-  return {batch, height, width, block, tile_rows, tile_cols, 0, batch * tile_rows * tile_cols};
+  return {batch, height, width, tile_rows, tile_cols, 0, batch * tile_rows * tile_cols};
 }
 
 // The band of `lines` lines from `first_line` (-1: to the last), or an error naming the op's input.
@@ -299,17 +299,17 @@ constexpr int kChannelBlock = 64;
 template <int kBlock, int kSide, int kMargin, Rows kRows>
 MRCNN_INLINE void PixelsToTiles(const Grid& grid, int64_t channels, const float* pixels, float* tiles,
                                 bool streaming, int64_t begin, int64_t end) {
-  constexpr int kTile = kBlock + 2, kPoints = kTile * kTile, kChannels = kChannelBlock;
+  constexpr int kTile = kBlock + 2, kPoints = Points(kBlock);
   const int64_t point_stride = grid.count * channels;  // from one point's [T_band, C] to the next
-  alignas(64) float d[kPoints][kChannels];  // the tile's pixels, then its transform
-  alignas(64) float rows[kTile * kSide][kChannels];  // the transform of its columns
+  alignas(64) float d[kPoints][kChannelBlock];  // the tile's pixels, then its transform
+  alignas(64) float rows[kTile * kSide][kChannelBlock];  // the transform of its columns
   for (int64_t t = begin; t < end; ++t) {
     const int64_t g = grid.first + t;
     const int64_t b = g / (grid.tile_rows * grid.tile_cols);
     const int64_t y0 = (g / grid.tile_cols) % grid.tile_rows * kBlock - kMargin;
     const int64_t x0 = g % grid.tile_cols * kBlock - kMargin;
-    for (int64_t c0 = 0; c0 < channels; c0 += kChannels) {
-      const int n = static_cast<int>(std::min<int64_t>(kChannels, channels - c0));
+    for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kChannelBlock, channels - c0));
       for (int i = 0; i < kSide; ++i) {
         const int64_t y = y0 + i;
         for (int j = 0; j < kSide; ++j) {
@@ -325,10 +325,10 @@ MRCNN_INLINE void PixelsToTiles(const Grid& grid, int64_t channels, const float*
       // Down each column, rows[xi][j] = sum_i R[xi][i] d[i][j]; then along each row,
       // V[xi][nu] = sum_j rows[xi][j] R[nu][j].
       for (int j = 0; j < kSide; ++j) {
-        kRows(d[j], kSide * kChannels, rows[j], kSide * kChannels, n);
+        kRows(d[j], kSide * kChannelBlock, rows[j], kSide * kChannelBlock, n);
       }
       for (int xi = 0; xi < kTile; ++xi) {
-        kRows(rows[xi * kSide], kChannels, d[xi * kTile], kChannels, n);
+        kRows(rows[xi * kSide], kChannelBlock, d[xi * kTile], kChannelBlock, n);
       }
       for (int p = 0; p < kPoints; ++p) {
         Store(d[p], tiles + p * point_stride + t * channels + c0, n, streaming);
@@ -344,25 +344,25 @@ MRCNN_INLINE void PixelsToTiles(const Grid& grid, int64_t channels, const float*
 template <int kBlock, Rows kRows>
 MRCNN_INLINE void ProductsToBlocks(const Grid& grid, int64_t channels, const float* products, const float* bias,
                                    bool relu, float* output, bool streaming, int64_t begin, int64_t end) {
-  constexpr int kTile = kBlock + 2, kChannels = kChannelBlock;
+  constexpr int kTile = kBlock + 2;
   const int64_t point_stride = grid.count * channels;
-  alignas(64) float rows[kBlock * kTile][kChannels];   // A^T M: [m][m + 2]
-  alignas(64) float block[kBlock * kBlock][kChannels];  // A^T M A: [m][m]
+  alignas(64) float rows[kBlock * kTile][kChannelBlock];   // A^T M: [m][m + 2]
+  alignas(64) float block[kBlock * kBlock][kChannelBlock];  // A^T M A: [m][m]
   for (int64_t t = begin; t < end; ++t) {
     const int64_t g = grid.first + t;
     const int64_t b = g / (grid.tile_rows * grid.tile_cols);
     const int64_t y0 = (g / grid.tile_cols) % grid.tile_rows * kBlock;
     const int64_t x0 = g % grid.tile_cols * kBlock;
-    for (int64_t c0 = 0; c0 < channels; c0 += kChannels) {
-      const int n = static_cast<int>(std::min<int64_t>(kChannels, channels - c0));
+    for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kChannelBlock, channels - c0));
       // Down each column, rows[i][nu] = sum_xi A^T[i][xi] M[xi][nu]; then along each row,
       // Y[i][j] = sum_nu rows[i][nu] A^T[j][nu].
       for (int nu = 0; nu < kTile; ++nu) {
-        kRows(products + nu * point_stride + t * channels + c0, kTile * point_stride, rows[nu], kTile * kChannels,
+        kRows(products + nu * point_stride + t * channels + c0, kTile * point_stride, rows[nu], kTile * kChannelBlock,
               n);
       }
       for (int i = 0; i < kBlock; ++i) {
-        kRows(rows[i * kTile], kChannels, block[i * kBlock], kChannels, n);
+        kRows(rows[i * kTile], kChannelBlock, block[i * kBlock], kChannelBlock, n);
       }
       for (int k = 0; bias != nullptr && k < kBlock * kBlock; ++k) {
         for (int c = 0; c < n; ++c) block[k][c] += bias[c0 + c];
