@@ -130,7 +130,9 @@ def torch_outputs(outputs, i):
 
 
 def package_outputs(loaded, config, image):
-    """The package's outputs for the same photo, through main.py infer's own preprocessing and predictor."""
+    """The package's outputs for the same photo, through main.py infer's own preprocessing and predictor: the
+    detections from the predict function that `load_model` traced on the loaded weights, as `main.py infer` runs
+    it (no other trace)."""
     model = loaded.model
     batch = predictor.preprocess(predictor.Photo(1, "photo", image), Preprocessor(config.data))
     features = model.fpn(model.backbone(batch["images"]))
@@ -138,7 +140,7 @@ def package_outputs(loaded, config, image):
     proposals = model.proposal_generator(rpn["rpn_scores"], rpn["rpn_boxes"],
                                          model._batch_anchors(batch["images"], features),
                                          batch["image_info"][:, :2], training=False)
-    outputs = predict_batch(predict_function(model), batch, 1)
+    outputs = predict_batch(predict_function(model, fixed_weights=True), batch, 1)
     count = int(outputs["num_detections"][0])
     boxes = outputs["detection_boxes"][0, :count]
     pasted = mask_ops.paste_masks_torchvision(outputs["detection_masks"][0, :count], boxes, image.shape[:2], 0.5)
