@@ -365,6 +365,8 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+# The two tests of the module's export on one worker: it and the in-process detections are made once.
+@pytest.mark.xdist_group("saved_model")
 @pytest.mark.timeout(300)  # exports, then two fresh processes load the SavedModel
 @pytest.mark.onednn  # the exported graph holds the batch-of-one routes that oneDNN takes
 def test_saved_model_runs_in_a_fresh_process_and_equals_in_process_inference(tmp_path, exported, in_process, photo):
@@ -380,6 +382,7 @@ def test_saved_model_runs_in_a_fresh_process_and_equals_in_process_inference(tmp
         assert_same_detections({key: outputs[f"bytes/{key}"][index:index + 1] for key in OUTPUT_KEYS}, in_process)
 
 
+@pytest.mark.xdist_group("saved_model")
 def test_saved_model_cli_runs_the_serving_signature(tmp_path, exported, in_process, photo):
     np.save(tmp_path / "image.npy", photo[None])
     cli = shutil.which("saved_model_cli", path=os.path.dirname(sys.executable))
