@@ -146,7 +146,7 @@ def test_traced_train_and_predict_graphs_hold_the_devices_routes(device, xla):
     model = build_model(config)
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     model.build()  # every layer built: the traces take the compiled path under --xla
-    train = routes(graph_nodes(tf.function(model.compute_gradients).get_concrete_function(batch)))
+    train = routes(graph_nodes(tf.function(model.compute_gradients, autograph=False).get_concrete_function(batch)))
     predict = routes(graph_nodes(predict_function(model).get_concrete_function(
         {key: batch[key] for key in PREDICT_KEYS})))
     winograd = device == "CPU" and not xla
