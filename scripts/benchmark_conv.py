@@ -9,10 +9,12 @@
 Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RPN head's conv on P2 of an
 832x1344 batch of 2): the forward conv, the input gradient, TensorFlow's kernel gradient
 (Conv2DBackpropFilter), mrcnn_tf2.ops.conv.kernel_gradient, the forward and the input gradient as one
-matrix product of patches (mrcnn_tf2.ops.conv.patch_conv2d, the route of small maps), and the forward by
-Winograd's fused ops (mrcnn_tf2.ops.fused.conv2d_3x3; the input gradient takes the same route with the flipped
-kernel), in milliseconds (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and
-checks that the two kernel gradients, the forwards and the input gradients agree. TensorFlow reads
+matrix product of patches (mrcnn_tf2.ops.conv.patch_conv2d, the route of small maps), and the forward and the
+kernel gradient by Winograd's fused ops with each output block, F(4x4, 3x3) and F(6x6, 3x3)
+(mrcnn_tf2.ops.fused.conv2d_3x3 and conv2d_3x3_kernel_gradient; the input gradient takes the forward's route with
+the flipped kernel; the first line says which block fused.winograd_block picks for the shape), in milliseconds
+(median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and checks that the kernel
+gradients, the forwards and the input gradients agree. TensorFlow reads
 TF_ENABLE_ONEDNN_OPTS once, at import: run the script once per setting to compare them. `--dtype bfloat16`
 times the kernels in bfloat16, as `--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it
 beside the float32 default to see what a CPU's bfloat16 instructions give.
@@ -68,8 +70,15 @@ def main(argv=None):
     kernels["forward, matrix product of patches"] = lambda: conv_ops.patch_conv2d(x, kernel)
     kernels["input gradient, matrix product of patches"] = lambda: conv_ops.patch_conv2d(out_grad,
                                                                                         conv_ops.flipped(kernel))
+    winograd = {}
     if args.dtype == "float32":
-        kernels["forward, Winograd (fused ops)"] = lambda: fused_ops.conv2d_3x3(x, kernel)
+        for block in (4, 6):
+            winograd[f"forward, Winograd F({block}x{block}, 3x3)"] = (
+                "forward", functools.partial(fused_ops.conv2d_3x3, x, kernel, block=block))
+            winograd[f"kernel gradient, Winograd F({block}x{block}, 3x3)"] = (
+                "kernel gradient, TensorFlow",
+                functools.partial(fused_ops.conv2d_3x3_kernel_gradient, x, out_grad, block=block))
+        kernels.update({name: fn for name, (_, fn) in winograd.items()})
     kernels = {name: tf.function(fn) for name, fn in kernels.items()}
 
     def relative_error(name, reference):
@@ -81,8 +90,10 @@ def main(argv=None):
                       relative_error("input gradient, matrix product of patches", "input gradient"))
     agreement = (f"kernel gradients differ by {gradient_error:.1e} of the largest, the products of patches by "
                  f"{patch_error:.1e}")
-    if args.dtype == "float32":
-        agreement += f", forwards by {relative_error('forward, Winograd (fused ops)', 'forward'):.1e}"
+    if winograd:
+        agreement += (f", Winograd's by {max(relative_error(name, ref) for name, (ref, _) in winograd.items()):.1e}"
+                      f" (it takes F({fused_ops.winograd_block(args.shape[:3])}x"
+                      f"{fused_ops.winograd_block(args.shape[:3])}, 3x3) at this shape)")
     gflop = 2.0 * batch * height * width * 9 * channels * channels / 1e9
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
     computed = kernels["forward"]().dtype.name  # what ran, not what was asked for

@@ -129,35 +129,38 @@ def test_factory_passes_the_choice_to_the_stages():
     ((3, 1, 1, 4), 4),  # one pixel: a block that is almost all padding
     ((1, 16, 12, 64), 64),
 ])
-def test_conv2d_3x3_matches_tf_conv(rng, monkeypatch, shape, out_channels, block):
-    """Both F(4x4, 3x3) and F(6x6, 3x3) (each forced here; fused.winograd_block picks one by the map's size), and
-    one trace for maps of any size: the same output."""
-    monkeypatch.setattr(fused, "winograd_block", lambda shape: block)
+def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels, block):
+    """Both F(4x4, 3x3) and F(6x6, 3x3) (each asked for here; fused.winograd_block picks one by the map's size),
+    and one trace for maps of any size: the same output."""
     x = tf.constant(rng.normal(size=shape), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, shape[3], out_channels)), tf.float32)
     want = tf.nn.conv2d(x, w, 1, "SAME").numpy()
-    got = fused.conv2d_3x3(x, w)
+    got = fused.conv2d_3x3(x, w, block=block)
     assert got.shape == want.shape
     # Winograd's rounding: about 1e-5 (F(4x4, 3x3)) or 2e-5 (F(6x6, 3x3)) of the output's scale, the op's
     # documented bound, with margin.
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-4 * np.abs(want).max())
-    dynamic = tf.function(fused.conv2d_3x3, input_signature=[tf.TensorSpec([None, None, None, shape[3]]),
-                                                             tf.TensorSpec(w.shape)])
+    dynamic = tf.function(lambda x, w: fused.conv2d_3x3(x, w, block=block),
+                          input_signature=[tf.TensorSpec([None, None, None, shape[3]]), tf.TensorSpec(w.shape)])
     np.testing.assert_array_equal(dynamic(x, w).numpy(), got.numpy())
+    assert {op.get_attr("block") for op in dynamic.get_concrete_function().graph.get_operations()
+            if op.type.startswith("MrcnnWinograd")} == {block}
 
 
 @pytest.mark.onednn  # the reference gradient, and the matrix products between the transforms, are oneDNN's or not
 @pytest.mark.parametrize("block", [4, 6])
 @pytest.mark.parametrize("shape, out_channels", [((1, 9, 13, 5), 7), ((2, 8, 8, 70), 3), ((3, 1, 1, 4), 4),
                                                  ((2, 16, 12, 64), 64)])
-def test_conv2d_3x3_kernel_gradient_matches_tf(rng, monkeypatch, shape, out_channels, block):
-    monkeypatch.setattr(fused, "winograd_block", lambda shape: block)
+def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels, block):
     x = tf.constant(rng.normal(size=shape), tf.float32)
     out_grad = tf.constant(rng.normal(size=shape[:3] + (out_channels,)), tf.float32)
     want = tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=[3, 3, shape[3], out_channels], out_backprop=out_grad,
                                            strides=[1, 1, 1, 1], padding="SAME").numpy()
-    got = fused.conv2d_3x3_kernel_gradient(x, out_grad).numpy()
+    gradient = tf.function(lambda x, g: fused.conv2d_3x3_kernel_gradient(x, g, block=block))
+    got = gradient(x, out_grad).numpy()
     assert got.shape == want.shape
+    assert {op.get_attr("block") for op in gradient.get_concrete_function(x, out_grad).graph.get_operations()
+            if op.type.startswith("MrcnnWinograd")} == {block}
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
@@ -342,7 +345,9 @@ def test_winograd_ops_name_a_wrong_band(library):
         library.mrcnn_winograd_output(tf.zeros([36, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=6)
     for op in (lambda: library.mrcnn_winograd_input(base, block=5),
                lambda: library.mrcnn_winograd_output_adjoint(base, block=8),
-               lambda: library.mrcnn_winograd_output(tf.zeros([49, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=5)):
+               lambda: library.mrcnn_winograd_output(tf.zeros([49, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=5),
+               lambda: fused.conv2d_3x3(base, tf.zeros([3, 3, 3, 3]), block=5),
+               lambda: fused.conv2d_3x3_kernel_gradient(base, base, block=8)):
         with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=r"block must be 4 or 6 \(F\(m x m"):
             op()
     with pytest.raises(tf.errors.InvalidArgumentError, match="do not have the channels of the output"):

@@ -309,13 +309,22 @@ def winograd_block(shape):
     return 6
 
 
+def _chosen_block(block, shape):
+    """`block` (4 or 6) as given, or `winograd_block`'s choice for an input of `shape` if None."""
+    if block is None:
+        return winograd_block(shape)
+    if block not in _WINOGRAD_KERNEL_TRANSFORM:
+        raise ValueError(f"block must be 4 or 6 (F(m x m, 3x3)), got {block}")
+    return block
+
+
 def _winograd_kernel(kernel, block):
     """U = G g G^T of every channel pair: [3, 3, C_in, C_out] -> [(m + 2)^2, C_in, C_out], m = block."""
     transform = _WINOGRAD_KERNEL_TRANSFORM[block]
     return tf.reshape(tf.matmul(transform, tf.reshape(kernel, [9, -1])), [transform.shape[0], *kernel.shape[2:]])
 
 
-def conv2d_3x3(inputs, kernel, bias=None, relu=False):
+def conv2d_3x3(inputs, kernel, bias=None, relu=False, block=None):
     """Fused tf.nn.conv2d(inputs, kernel, 1, 'SAME') for a 3x3 kernel, by Winograd's F(m x m, 3x3), then + bias
     and ReLU if asked.
 
@@ -330,13 +339,14 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False):
       kernel: [3, 3, C_in, C_out] float32.
       bias: [C_out] float32 or None.
       relu: whether max(output, 0) ends it.
+      block: m, 4 or 6; None: `winograd_block`'s choice for the input's shape.
 
     Returns:
       [B, H, W, C_out] float32.
     """
     library = load_library()
     in_channels, out_channels = inputs.shape[3], kernel.shape[3]
-    block = winograd_block(inputs.shape[:3])
+    block = _chosen_block(block, inputs.shape[:3])
     # After the input: in a backward pass the flipped kernel is there long before the output gradient, and
     # the executor would transform every conv's kernel at once and hold them all ((m + 2)^2 x C_in x C_out each).
     with tf.control_dependencies([inputs]):
@@ -356,7 +366,7 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False):
     return outputs
 
 
-def conv2d_3x3_kernel_gradient(inputs, out_grad):
+def conv2d_3x3_kernel_gradient(inputs, out_grad, block=None):
     """Gradient with respect to the kernel of conv2d_3x3 (or tf.nn.conv2d at stride 1, 'SAME'), by Winograd's
     F(m x m, 3x3) too (m from `winograd_block`): the (m + 2)^2 products [C_in, T] x [T, C_out] of the input's
     tiles and the output gradient's (dM = A dY A^T per m x m block, ops/winograd_op.cc) do the work of the 9 m^2
@@ -366,13 +376,14 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad):
     Args:
       inputs: [B, H, W, C_in] float32, the conv's input.
       out_grad: [B, H, W, C_out] float32, the gradient of the loss with respect to the conv's output.
+      block: m, 4 or 6; None: `winograd_block`'s choice for the input's shape.
 
     Returns:
       [3, 3, C_in, C_out] float32.
     """
     library = load_library()
     in_channels, out_channels = inputs.shape[3], out_grad.shape[3]
-    block = winograd_block(inputs.shape[:3])
+    block = _chosen_block(block, inputs.shape[:3])
     # The input's tiles need only the forward's input, so TensorFlow's executor would transform it as soon as
     # the forward pass had it and hold the tiles until the gradient arrived: the tiles of every such conv at
     # once. So the first band waits for the output gradient, and each later band for the sum so far (one band's
