@@ -91,9 +91,9 @@ def main(argv=None):
     agreement = (f"kernel gradients differ by {gradient_error:.1e} of the largest, the products of patches by "
                  f"{patch_error:.1e}")
     if winograd:
+        chosen = fused_ops.winograd_block(args.shape[:3])
         agreement += (f", Winograd's by {max(relative_error(name, ref) for name, (ref, _) in winograd.items()):.1e}"
-                      f" (it takes F({fused_ops.winograd_block(args.shape[:3])}x"
-                      f"{fused_ops.winograd_block(args.shape[:3])}, 3x3) at this shape)")
+                      f" (it takes F({chosen}x{chosen}, 3x3) at this shape)")
     gflop = 2.0 * batch * height * width * 9 * channels * channels / 1e9
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
     computed = kernels["forward"]().dtype.name  # what ran, not what was asked for

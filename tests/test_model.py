@@ -76,8 +76,8 @@ def test_inference_outputs(config, batch):
 
 def test_overfitting_one_batch_halves_the_loss(config, batch):
     model = compiled_model(config, learning_rate=0.005)
-    # As main.py's step: every variable made first and no autograph, so one trace (not three, after converting
-    # every function the step calls), and the same losses.
+    # As main.py's step: every variable made first and no autograph, so one trace (not two, after autograph had
+    # converted every function the step calls), and the same losses.
     model.build()
     model.optimizer.build(model.trainable_variables)
     step = tf.function(model.train_step, autograph=False)

@@ -329,8 +329,9 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False, block=None):
     and ReLU if asked.
 
     (m + 2)^2 matrix products [T, C_in] x [C_in, C_out] over the T m x m output blocks replace the 9 m^2 of a
-    direct conv (m from `winograd_block`); the kernels transform the pixels to and from Winograd's domain, the
-    output transform adding the bias and applying the ReLU as it writes each block (no passes of their own).
+    direct conv (m = block, by default `winograd_block`'s choice); the kernels transform the pixels to and from
+    Winograd's domain, the output transform adding the bias and applying the ReLU as it writes each block (no
+    passes of their own).
     Float rounding differs from the twin's by about 1e-5 of the output's scale (m = 4) or 2e-5 (m = 6). No
     gradient: conv_ops.conv2d's custom gradient has its own.
 
@@ -368,10 +369,10 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False, block=None):
 
 def conv2d_3x3_kernel_gradient(inputs, out_grad, block=None):
     """Gradient with respect to the kernel of conv2d_3x3 (or tf.nn.conv2d at stride 1, 'SAME'), by Winograd's
-    F(m x m, 3x3) too (m from `winograd_block`): the (m + 2)^2 products [C_in, T] x [T, C_out] of the input's
-    tiles and the output gradient's (dM = A dY A^T per m x m block, ops/winograd_op.cc) do the work of the 9 m^2
-    of a direct kernel gradient, and U = G g G^T transposed (dg = G^T dU G) brings their sum back to the 3x3
-    taps. Float rounding differs from TensorFlow's kernel gradient by about 1e-5 of the gradient's scale.
+    F(m x m, 3x3) too (m = block, by default `winograd_block`'s choice): the (m + 2)^2 products [C_in, T] x
+    [T, C_out] of the input's tiles and the output gradient's (dM = A dY A^T per m x m block, ops/winograd_op.cc)
+    do the work of the 9 m^2 of a direct kernel gradient, and U = G g G^T transposed (dg = G^T dU G) brings their
+    sum back to the 3x3 taps. Float rounding differs from TensorFlow's kernel gradient by about 1e-5 of the gradient's scale.
 
     Args:
       inputs: [B, H, W, C_in] float32, the conv's input.
