@@ -372,7 +372,8 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad, block=None):
     F(m x m, 3x3) too (m = block, by default `winograd_block`'s choice): the (m + 2)^2 products [C_in, T] x
     [T, C_out] of the input's tiles and the output gradient's (dM = A dY A^T per m x m block, ops/winograd_op.cc)
     do the work of the 9 m^2 of a direct kernel gradient, and U = G g G^T transposed (dg = G^T dU G) brings their
-    sum back to the 3x3 taps. Float rounding differs from TensorFlow's kernel gradient by about 1e-5 of the gradient's scale.
+    sum back to the 3x3 taps. Float rounding differs from TensorFlow's kernel gradient by about 1e-5 of the
+    gradient's scale.
 
     Args:
       inputs: [B, H, W, C_in] float32, the conv's input.
