@@ -1,8 +1,9 @@
-// Winograd F(4x4, 3x3) and F(6x6, 3x3) transforms of a 3x3 stride-1 'SAME' convolution (Lavin & Gray, 2015).
+// Winograd F(4x4, 3x3), F(5x5, 3x3) and F(6x6, 3x3) transforms of a 3x3 stride-1 'SAME' convolution (Lavin &
+// Gray, 2015).
 //
-// A 3x3 conv computes each m x m block of output pixels (m = 4 or 6, the ops' attr `block`) from the
+// A 3x3 conv computes each m x m block of output pixels (m = 4, 5 or 6, the ops' attr `block`) from the
 // (m + 2) x (m + 2) input tile around it. In Winograd's domain that takes (m + 2)^2 products per channel pair
-// instead of 9 m^2 (36 for 144, 64 for 324): tile d -> V = B^T d B, kernel g -> U = G g G^T, then M = sum
+// instead of 9 m^2 (36 for 144, 49 for 225, 64 for 324): tile d -> V = B^T d B, kernel g -> U = G g G^T, then M = sum
 // over input channels of V * U ((m + 2)^2 matrix products [T, C_in] x [C_in, C_out], done by TensorFlow's
 // matmul), and the output block Y = A^T M A. These kernels are the two transforms of the pixels, and the
 // second one's adjoint for the kernel gradient (products of V and A dY A^T); the kernel's transform is small
@@ -10,7 +11,7 @@
 //
 // Twin: tf.nn.conv2d(x, g, 1, 'SAME') itself (mrcnn_tf2/ops/conv.py conv2d without `fused`); the result
 // differs by float rounding (Winograd's sums of larger terms: about 1e-5 of the output's scale for m = 4,
-// about twice that for m = 6, whose points reach +-2 and +-1/2).
+// about twice that for m = 5 and 6, whose points reach +-2 and +-1/2).
 //
 // Glossary: B batch, H x W image, C channels, P = (m + 2)^2 points, T = B * ceil(H / m) * ceil(W / m) tiles,
 // in the order (b, tile row, tile column); tile (ty, tx) covers output rows m ty..m ty + m - 1 and the same
@@ -38,7 +39,7 @@ constexpr int Points(int block) { return (block + 2) * (block + 2); }
 template <typename Context>
 Status GetBlock(Context* c, int* block) {
   TF_RETURN_IF_ERROR(c->GetAttr("block", block));
-  if (*block != 4 && *block != 6) return InvalidArgument("block must be 4 or 6 (F(m x m, 3x3)), got ", *block);
+  if (*block < 4 || *block > 6) return InvalidArgument("block must be 4, 5 or 6 (F(m x m, 3x3)), got ", *block);
   return Status();
 }
 
@@ -67,7 +68,7 @@ REGISTER_OP("MrcnnWinogradInput")
     .Input("input: float")              // [B, H, W, C]
     .Attr("first_line: int >= 0 = 0")   // the band's first line of tiles
     .Attr("lines: int >= -1 = -1")      // its lines; -1: to the last
-    .Attr("block: int = 4")             // m: 4 or 6
+    .Attr("block: int = 4")             // m: 4, 5 or 6
     .Output("tiles: float")             // [P, T_band, C]: V of the band's tiles, point-major
     .SetShapeFn(TilesShape);
 
@@ -208,6 +209,59 @@ MRCNN_INLINE void OutputRows4(const float* __restrict__ x, int64_t x_step, float
   }
 }
 
+// F(5x5, 3x3): the points +-1, +-2, +-1/2 and infinity, F(6x6, 3x3)'s without 0, so that every point has its
+// pair.
+MRCNN_INLINE void InputRows5(const float* __restrict__ x, int64_t x_step, float* __restrict__ r, int64_t r_step,
+                             int n) {
+  for (int k = 0; k < n; ++k) {
+    const float x0 = x[k], x1 = x[x_step + k], x2 = x[2 * x_step + k], x3 = x[3 * x_step + k],
+                x4 = x[4 * x_step + k], x5 = x[5 * x_step + k], x6 = x[6 * x_step + k];
+    const float odd1 = x1 + x5 - 4.25f * x3, even1 = x0 + x4 - 4.25f * x2;
+    const float odd2 = 0.25f * x1 - 1.25f * x3 + x5, even2 = 0.5f * x0 - 2.5f * x2 + 2.0f * x4;
+    const float odd3 = 4.0f * x1 - 5.0f * x3 + x5, even3 = 2.0f * x0 - 2.5f * x2 + 0.5f * x4;
+    r[k] = odd1 + even1;
+    r[r_step + k] = odd1 - even1;
+    r[2 * r_step + k] = odd2 + even2;
+    r[3 * r_step + k] = odd2 - even2;
+    r[4 * r_step + k] = odd3 + even3;
+    r[5 * r_step + k] = odd3 - even3;
+    r[6 * r_step + k] = x6 - x0 + 5.25f * (x2 - x4);
+  }
+}
+
+MRCNN_INLINE void AdjointRows5(const float* __restrict__ x, int64_t x_step, float* __restrict__ r, int64_t r_step,
+                               int n) {
+  for (int k = 0; k < n; ++k) {
+    const float x0 = x[k], x1 = x[x_step + k], x2 = x[2 * x_step + k], x3 = x[3 * x_step + k],
+                x4 = x[4 * x_step + k];
+    const float even1 = x0 + x2 + x4, odd1 = x1 + x3;
+    const float even2 = x0 + 4.0f * x2 + 16.0f * x4, odd2 = 2.0f * x1 + 8.0f * x3;
+    const float even3 = x0 + 0.25f * x2 + 0.0625f * x4, odd3 = 0.5f * x1 + 0.125f * x3;
+    r[k] = even1 + odd1;
+    r[r_step + k] = even1 - odd1;
+    r[2 * r_step + k] = even2 + odd2;
+    r[3 * r_step + k] = even2 - odd2;
+    r[4 * r_step + k] = even3 + odd3;
+    r[5 * r_step + k] = even3 - odd3;
+    r[6 * r_step + k] = x4;
+  }
+}
+
+MRCNN_INLINE void OutputRows5(const float* __restrict__ x, int64_t x_step, float* __restrict__ r, int64_t r_step,
+                              int n) {
+  for (int k = 0; k < n; ++k) {
+    const float x0 = x[k], x1 = x[x_step + k], x2 = x[2 * x_step + k], x3 = x[3 * x_step + k],
+                x4 = x[4 * x_step + k], x5 = x[5 * x_step + k], x6 = x[6 * x_step + k];
+    const float sum01 = x0 + x1, diff01 = x0 - x1, sum23 = x2 + x3, diff23 = x2 - x3, sum45 = x4 + x5,
+                diff45 = x4 - x5;
+    r[k] = sum01 + sum23 + sum45;
+    r[r_step + k] = diff01 + 2.0f * diff23 + 0.5f * diff45;
+    r[2 * r_step + k] = sum01 + 4.0f * sum23 + 0.25f * sum45;
+    r[3 * r_step + k] = diff01 + 8.0f * diff23 + 0.125f * diff45;
+    r[4 * r_step + k] = sum01 + 16.0f * sum23 + 0.0625f * sum45 + x6;
+  }
+}
+
 // F(6x6, 3x3): the points 0, +-1, +-2, +-1/2 and infinity (the pairs +-p share their even and odd parts).
 MRCNN_INLINE void InputRows6(const float* __restrict__ x, int64_t x_step, float* __restrict__ r, int64_t r_step,
                              int n) {
@@ -289,7 +343,7 @@ Status SetBand(Grid* grid, int64_t first_line, int64_t lines) {
 
 using Rows = void (*)(const float*, int64_t, float*, int64_t, int);
 
-// Channels transformed together: a tile's two buffers stay in L1 (2 x 9 KiB for m = 4, 2 x 16 KiB for m = 6;
+// Channels transformed together: a tile's two buffers stay in L1 (2 x 9, 12 and 16 KiB for m = 4, 5 and 6;
 // 32 channels for m = 6 made its transforms 20-40% slower at P2's and P3's sizes).
 constexpr int kChannelBlock = 64;
 
@@ -387,6 +441,10 @@ MRCNN_CLONES void InputTiles4(const Grid& grid, int64_t channels, const float* p
                               int64_t begin, int64_t end) {
   PixelsToTiles<4, 6, 1, InputRows4>(grid, channels, pixels, tiles, streaming, begin, end);
 }
+MRCNN_CLONES void InputTiles5(const Grid& grid, int64_t channels, const float* pixels, float* tiles, bool streaming,
+                              int64_t begin, int64_t end) {
+  PixelsToTiles<5, 7, 1, InputRows5>(grid, channels, pixels, tiles, streaming, begin, end);
+}
 MRCNN_CLONES void InputTiles6(const Grid& grid, int64_t channels, const float* pixels, float* tiles, bool streaming,
                               int64_t begin, int64_t end) {
   PixelsToTiles<6, 8, 1, InputRows6>(grid, channels, pixels, tiles, streaming, begin, end);
@@ -394,6 +452,10 @@ MRCNN_CLONES void InputTiles6(const Grid& grid, int64_t channels, const float* p
 MRCNN_CLONES void AdjointTiles4(const Grid& grid, int64_t channels, const float* pixels, float* tiles,
                                 bool streaming, int64_t begin, int64_t end) {
   PixelsToTiles<4, 4, 0, AdjointRows4>(grid, channels, pixels, tiles, streaming, begin, end);
+}
+MRCNN_CLONES void AdjointTiles5(const Grid& grid, int64_t channels, const float* pixels, float* tiles,
+                                bool streaming, int64_t begin, int64_t end) {
+  PixelsToTiles<5, 5, 0, AdjointRows5>(grid, channels, pixels, tiles, streaming, begin, end);
 }
 MRCNN_CLONES void AdjointTiles6(const Grid& grid, int64_t channels, const float* pixels, float* tiles,
                                 bool streaming, int64_t begin, int64_t end) {
@@ -403,9 +465,19 @@ MRCNN_CLONES void OutputBlocks4(const Grid& grid, int64_t channels, const float*
                                 bool relu, float* output, bool streaming, int64_t begin, int64_t end) {
   ProductsToBlocks<4, OutputRows4>(grid, channels, products, bias, relu, output, streaming, begin, end);
 }
+MRCNN_CLONES void OutputBlocks5(const Grid& grid, int64_t channels, const float* products, const float* bias,
+                                bool relu, float* output, bool streaming, int64_t begin, int64_t end) {
+  ProductsToBlocks<5, OutputRows5>(grid, channels, products, bias, relu, output, streaming, begin, end);
+}
 MRCNN_CLONES void OutputBlocks6(const Grid& grid, int64_t channels, const float* products, const float* bias,
                                 bool relu, float* output, bool streaming, int64_t begin, int64_t end) {
   ProductsToBlocks<6, OutputRows6>(grid, channels, products, bias, relu, output, streaming, begin, end);
+}
+
+// The kernel of a block size (GetBlock has checked it).
+template <typename Kernel>
+Kernel ByBlock(int block, Kernel kernel4, Kernel kernel5, Kernel kernel6) {
+  return block == 4 ? kernel4 : block == 5 ? kernel5 : kernel6;
 }
 
 // MrcnnWinogradInput and MrcnnWinogradOutputAdjoint: [B, H, W, C] -> [P, T, C] by the transform of each block
@@ -414,11 +486,12 @@ class PixelsToTilesOp : public OpKernel {
  public:
   using Transform = void (*)(const Grid&, int64_t, const float*, float*, bool, int64_t, int64_t);
 
-  PixelsToTilesOp(OpKernelConstruction* context, Transform transform4, Transform transform6) : OpKernel(context) {
+  PixelsToTilesOp(OpKernelConstruction* context, Transform transform4, Transform transform5, Transform transform6)
+      : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("first_line", &first_line_));
     OP_REQUIRES_OK(context, context->GetAttr("lines", &lines_));
     OP_REQUIRES_OK(context, GetBlock(context, &block_));
-    transform_ = block_ == 4 ? transform4 : transform6;
+    transform_ = ByBlock(block_, transform4, transform5, transform6);
   }
 
   void Compute(OpKernelContext* context) override {
@@ -447,13 +520,14 @@ class PixelsToTilesOp : public OpKernel {
 
 class WinogradInputOp : public PixelsToTilesOp {
  public:
-  explicit WinogradInputOp(OpKernelConstruction* context) : PixelsToTilesOp(context, InputTiles4, InputTiles6) {}
+  explicit WinogradInputOp(OpKernelConstruction* context)
+      : PixelsToTilesOp(context, InputTiles4, InputTiles5, InputTiles6) {}
 };
 
 class WinogradOutputAdjointOp : public PixelsToTilesOp {
  public:
   explicit WinogradOutputAdjointOp(OpKernelConstruction* context)
-      : PixelsToTilesOp(context, AdjointTiles4, AdjointTiles6) {}
+      : PixelsToTilesOp(context, AdjointTiles4, AdjointTiles5, AdjointTiles6) {}
 };
 
 // MrcnnWinogradOutput (into_ false: inputs products, size) and MrcnnWinogradOutputInto (into_ true: inputs base,
@@ -527,7 +601,7 @@ class BandOutputOp : public OpKernel {
     const float* products = products_tensor.flat<float>().data();
     const int64_t channels = shape.dim_size(3);
     const bool streaming = CanStream(output, channels);
-    const auto blocks = block_ == 4 ? OutputBlocks4 : OutputBlocks6;
+    const auto blocks = ByBlock(block_, OutputBlocks4, OutputBlocks5, OutputBlocks6);
     ParallelFor(context, grid.count, Points(block_) * channels * 8, [&](int64_t begin, int64_t end) {
       blocks(grid, channels, products, bias, relu_, output, streaming, begin, end);
     });

@@ -10,7 +10,7 @@ Times a 3x3 C->C conv, stride 1, 'SAME' (default: the FPN output conv and the RP
 832x1344 batch of 2): the forward conv, the input gradient, TensorFlow's kernel gradient
 (Conv2DBackpropFilter), mrcnn_tf2.ops.conv.kernel_gradient, the forward and the input gradient as one
 matrix product of patches (mrcnn_tf2.ops.conv.patch_conv2d, the route of small maps), and the forward and the
-kernel gradient by Winograd's fused ops with each output block, F(4x4, 3x3) and F(6x6, 3x3)
+kernel gradient by Winograd's fused ops with each output block, F(4x4, 3x3), F(5x5, 3x3) and F(6x6, 3x3)
 (mrcnn_tf2.ops.fused.conv2d_3x3 and conv2d_3x3_kernel_gradient; the input gradient takes the forward's route with
 the flipped kernel; the first line says which block fused.winograd_block picks for the shape), in milliseconds
 (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and checks that the kernel
@@ -72,7 +72,7 @@ def main(argv=None):
                                                                                         conv_ops.flipped(kernel))
     winograd = {}
     if args.dtype == "float32":
-        for block in (4, 6):
+        for block in (4, 5, 6):
             winograd[f"forward, Winograd F({block}x{block}, 3x3)"] = (
                 "forward", functools.partial(fused_ops.conv2d_3x3, x, kernel, block=block))
             winograd[f"kernel gradient, Winograd F({block}x{block}, 3x3)"] = (

@@ -122,7 +122,7 @@ def test_factory_passes_the_choice_to_the_stages():
 # -- 3x3 convolution (Winograd) ----------------------------------------------------------------------------
 
 @pytest.mark.onednn  # the reference conv, and the matrix products between the transforms, are oneDNN's or not
-@pytest.mark.parametrize("block", [4, 6])
+@pytest.mark.parametrize("block", [4, 5, 6])
 @pytest.mark.parametrize("shape, out_channels", [
     ((1, 9, 13, 5), 7),  # sides not multiples of the output block
     ((2, 8, 8, 70), 3),  # channels past one of the kernels' 64-channel blocks
@@ -130,14 +130,14 @@ def test_factory_passes_the_choice_to_the_stages():
     ((1, 16, 12, 64), 64),
 ])
 def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels, block):
-    """Both F(4x4, 3x3) and F(6x6, 3x3) (each asked for here; fused.winograd_block picks one by the map's size),
-    and one trace for maps of any size: the same output."""
+    """F(4x4, 3x3), F(5x5, 3x3) and F(6x6, 3x3) (each asked for here; fused.winograd_block picks one by the map's
+    size), and one trace for maps of any size: the same output."""
     x = tf.constant(rng.normal(size=shape), tf.float32)
     w = tf.constant(rng.normal(size=(3, 3, shape[3], out_channels)), tf.float32)
     want = tf.nn.conv2d(x, w, 1, "SAME").numpy()
     got = fused.conv2d_3x3(x, w, block=block)
     assert got.shape == want.shape
-    # Winograd's rounding: about 1e-5 (F(4x4, 3x3)) or 2e-5 (F(6x6, 3x3)) of the output's scale, the op's
+    # Winograd's rounding: about 1e-5 (F(4x4, 3x3)) or 2e-5 (F(5x5, 3x3), F(6x6, 3x3)) of the output's scale, the op's
     # documented bound, with margin.
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-4 * np.abs(want).max())
     dynamic = tf.function(lambda x, w: fused.conv2d_3x3(x, w, block=block),
@@ -148,7 +148,7 @@ def test_conv2d_3x3_matches_tf_conv(rng, shape, out_channels, block):
 
 
 @pytest.mark.onednn  # the reference gradient, and the matrix products between the transforms, are oneDNN's or not
-@pytest.mark.parametrize("block", [4, 6])
+@pytest.mark.parametrize("block", [4, 5, 6])
 @pytest.mark.parametrize("shape, out_channels", [((1, 9, 13, 5), 7), ((2, 8, 8, 70), 3), ((3, 1, 1, 4), 4),
                                                  ((2, 16, 12, 64), 64)])
 def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels, block):
@@ -164,26 +164,28 @@ def test_conv2d_3x3_kernel_gradient_matches_tf(rng, shape, out_channels, block):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
-def test_winograd_takes_6x6_blocks_on_large_maps(rng):
-    """F(6x6, 3x3) on maps of at least WINOGRAD_6X6_MIN_BLOCKS 6x6 blocks over the batch where it takes fewer
-    products than F(4x4, 3x3), and on maps of unknown size; F(4x4, 3x3) elsewhere. The conv and its kernel
-    gradient run the chosen one's ops."""
+def test_winograd_takes_the_block_of_fewest_products(rng):
+    """The m of F(m x m, 3x3) that takes the fewest products, (m + 2)^2 per m x m block, the smaller m at a tie;
+    F(6x6, 3x3) only on maps of at least WINOGRAD_6X6_MIN_BLOCKS 6x6 blocks over the batch, and on maps of
+    unknown size. The conv and its kernel gradient run the chosen one's ops."""
     assert fused.WINOGRAD_6X6_MIN_BLOCKS == 256
     cases = {
-        (1, 200, 272): 6,  # P2 at 800x1088: 1564 blocks, 64 x 1564 products against 36 x 3400
+        (1, 200, 272): 6,  # P2 at 800x1088: 64 x 1564 products against 49 x 2200 and 36 x 3400
         (1, 100, 136): 6,  # 391 blocks
-        (2, 50, 68): 4,  # 216 blocks: too few
-        (3, 50, 68): 6,
-        (100, 14, 14): 4,  # the mask head's RoIs: 9 x 64 products per RoI, as many as 16 x 36
-        (None, 14, 14): 4,
-        (300, 8, 8): 4,  # 4 x 64 against 4 x 36
+        (2, 50, 68): 5,  # 49 x 140 per image against 36 x 221 (and 216 6x6 blocks: too few)
+        (3, 50, 68): 5,  # 324 6x6 blocks, but 64 x 108 against 49 x 140
+        (1, 25, 34): 5,
+        (100, 14, 14): 5,  # the mask head's RoIs: 9 x 49 products per RoI against 16 x 36 and 9 x 64
+        (None, 14, 14): 5,
+        (8, 28, 28): 4,  # 36 x 49 and 49 x 36 tie; 64 x 25 fewer, on 200 blocks
+        (300, 8, 8): 4,  # 4 x 36 against 4 x 49 and 4 x 64
         (1, None, None): 6,
         (None, None, None): 6,
     }
     assert {shape: fused.winograd_block(shape) for shape in cases} == cases
     assert fused._winograd_bands((2, 13, 17), 8, 6) == [(0, 6)]  # 2 images of 3 lines of 6x6 blocks
     kernel = tf.constant(rng.normal(size=(3, 3, 4, 4)), tf.float32)
-    for size, block in (([1, 100, 136], 6), ([100, 14, 14], 4)):
+    for size, block in (([1, 100, 136], 6), ([100, 14, 14], 5), ([8, 16, 16], 4)):
         x = tf.zeros(size + [4])
         graphs = [tf.function(fused.conv2d_3x3).get_concrete_function(x, kernel).graph,
                   tf.function(fused.conv2d_3x3_kernel_gradient).get_concrete_function(x, x).graph]
@@ -199,10 +201,10 @@ def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
     previous one's output (one band's tiles at a time), into one output; the same result as in one band."""
     x = tf.constant(rng.normal(size=(3, 9, 8, 3)), tf.float32)  # 3 lines of tiles per image, 9 in all, 2 tiles each
     w = tf.constant(rng.normal(size=(3, 3, 3, 2)), tf.float32)
-    whole = fused.conv2d_3x3(x, w).numpy()
+    whole = fused.conv2d_3x3(x, w, block=4).numpy()
     monkeypatch.setattr(fused, "_WINOGRAD_BAND_BYTES", 36 * 4 * 2 * 3 * 2)  # two lines' tiles per band
     assert fused._winograd_bands(x.shape[:3], 3, 4) == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
-    banded = tf.function(fused.conv2d_3x3).get_concrete_function(x, w)
+    banded = tf.function(lambda x, w: fused.conv2d_3x3(x, w, block=4)).get_concrete_function(x, w)
     transforms = [op for op in banded.graph.get_operations() if op.type == "MrcnnWinogradInput"]
     outputs = [op for op in banded.graph.get_operations() if op.type.startswith("MrcnnWinogradOutput")]
     assert [op.type for op in outputs] == ["MrcnnWinogradOutput"] + ["MrcnnWinogradOutputInto"] * 4
@@ -225,10 +227,10 @@ def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
 
     out_grad = tf.constant(rng.normal(size=(3, 9, 8, 2)), tf.float32)
     monkeypatch.undo()
-    whole = fused.conv2d_3x3_kernel_gradient(x, tf.nn.relu(out_grad)).numpy()
+    whole = fused.conv2d_3x3_kernel_gradient(x, tf.nn.relu(out_grad), block=4).numpy()
     monkeypatch.setattr(fused, "_WINOGRAD_BAND_BYTES", 36 * 4 * 2 * 3 * 4)  # four lines' tiles per band
-    banded = tf.function(lambda x, g: fused.conv2d_3x3_kernel_gradient(x, tf.nn.relu(g))).get_concrete_function(
-        x, out_grad)
+    banded = tf.function(lambda x, g: fused.conv2d_3x3_kernel_gradient(x, tf.nn.relu(g), block=4)
+                         ).get_concrete_function(x, out_grad)
     ops = banded.graph.get_operations()
     transforms = [op for op in ops if op.type == "MrcnnWinogradInput"]
     adjoints = [op for op in ops if op.type == "MrcnnWinogradOutputAdjoint"]
@@ -243,7 +245,7 @@ def test_conv2d_3x3_in_bands_of_tile_lines(rng, monkeypatch):
     np.testing.assert_allclose(banded(x, out_grad).numpy(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
-@pytest.mark.parametrize("block", [4, 6])
+@pytest.mark.parametrize("block", [4, 5, 6])
 def test_winograd_outputs_write_their_band_and_keep_the_rest(library, rng, block):
     """MrcnnWinogradOutput writes the blocks of its band's tiles into zeros, MrcnnWinogradOutputInto into base,
     and the other lines stay as they were (base is also the caller's here, so the op copies it rather than
@@ -343,12 +345,12 @@ def test_winograd_ops_name_a_wrong_band(library):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"products must be \[64, T, C\] for blocks of 6x6, got \[36,4,3\]"):
         library.mrcnn_winograd_output(tf.zeros([36, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=6)
-    for op in (lambda: library.mrcnn_winograd_input(base, block=5),
+    for op in (lambda: library.mrcnn_winograd_input(base, block=3),
                lambda: library.mrcnn_winograd_output_adjoint(base, block=8),
-               lambda: library.mrcnn_winograd_output(tf.zeros([49, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=5),
-               lambda: fused.conv2d_3x3(base, tf.zeros([3, 3, 3, 3]), block=5),
-               lambda: fused.conv2d_3x3_kernel_gradient(base, base, block=8)):
-        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=r"block must be 4 or 6 \(F\(m x m"):
+               lambda: library.mrcnn_winograd_output(tf.zeros([81, 4, 3]), tf.constant([1, 8, 8]), bias=[], block=7),
+               lambda: fused.conv2d_3x3(base, tf.zeros([3, 3, 3, 3]), block=7),
+               lambda: fused.conv2d_3x3_kernel_gradient(base, base, block=3)):
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=r"block must be 4, 5 or 6 \(F\(m x m"):
             op()
     with pytest.raises(tf.errors.InvalidArgumentError, match="do not have the channels of the output"):
         library.mrcnn_winograd_output_into(base, tf.zeros([36, 4, 2]), bias=[], first_line=0)

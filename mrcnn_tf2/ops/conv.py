@@ -26,14 +26,14 @@ P2's 3x3 256->256 conv with bias at 200x200 45.8 ms direct against 48.3 transpos
 
 With the fused ops on (route WINOGRAD, the layers' choice), a float32 3x3 stride-1 'SAME' conv of at least
 WINOGRAD_MIN_TILES 4x4 output blocks instead runs Winograd's F(4x4, 3x3) (`fused_ops.conv2d_3x3`): 36 matrix
-products over the 4x4 output blocks do the work of the 144 of a direct conv (on large maps F(6x6, 3x3), 64 for 324:
-`fused_ops.winograd_block`), and the input gradient, the conv of the flipped kernel, goes the same way; so does the
-kernel gradient (`fused_ops.conv2d_3x3_kernel_gradient`), in place of `kernel_gradient`. The P2 conv at batch 1
-took 193 ms against 450 ms by the transposed route; the mask head's convs over 100 RoIs 72 ms against 121 ms. Its
-rounding differs from a direct conv's by about 1e-5 of the output's scale (2e-5 by F(6x6, 3x3)). A bfloat16 3x3
-conv of a large map with many channels takes the same route in float32 between casts where the CPU's bfloat16 is
-AVX-512's, not AMX's (BFLOAT16_WINOGRAD): its output, rounded to bfloat16, is as close to the exact conv as the
-direct bfloat16 conv's.
+products over the 4x4 output blocks do the work of the 144 of a direct conv (on large maps F(6x6, 3x3), 64 for 324,
+and on the mask head's 14x14 RoIs F(5x5, 3x3), 49 for 225: `fused_ops.winograd_block`), and the input gradient, the
+conv of the flipped kernel, goes the same way; so does the kernel gradient (`fused_ops.conv2d_3x3_kernel_gradient`),
+in place of `kernel_gradient`. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask
+head's convs over 100 RoIs 72 ms against 121 ms. Its rounding differs from a direct conv's by about 1e-5 of the
+output's scale (2e-5 by F(5x5, 3x3) or F(6x6, 3x3)). A bfloat16 3x3 conv of a large map with many channels takes the
+same route in float32 between casts where the CPU's bfloat16 is AVX-512's, not AMX's (BFLOAT16_WINOGRAD): its
+output, rounded to bfloat16, is as close to the exact conv as the direct bfloat16 conv's.
 
 On small maps, at most PATCH_MAX_PIXELS output pixels per image (the demo's conv5 at 4x4 or 3x3, the small
 FPN levels), the direct kernels run far under their speed on larger ones: a 3x3 stride-1 'SAME' conv there is one

@@ -266,7 +266,7 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
                                           labels, positive_indices)
 
 
-# -- 3x3 convolution by Winograd's F(4x4, 3x3) and F(6x6, 3x3) -------------------------------------------------
+# -- 3x3 convolution by Winograd's F(m x m, 3x3), m = 4, 5 or 6 -------------------------------------------------
 
 # The kernel transforms G ((m + 2) x 3) of the output blocks' sides m, Lavin & Gray (2015); the pixels' transforms
 # B^T and A^T are in ops/winograd_op.cc. U = G g G^T for every channel pair is one matrix product with kron(G, G)
@@ -274,6 +274,8 @@ def rpn_targets(anchors, gt_boxes, image_size, positive_overlap=0.7, negative_ov
 _WINOGRAD_G = {
     4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
                  [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
+    5: np.array([[-2 / 9, -2 / 9, -2 / 9], [2 / 9, -2 / 9, 2 / 9], [1 / 45, 2 / 45, 4 / 45], [-1 / 45, 2 / 45, -4 / 45],
+                 [16 / 45, 8 / 45, 4 / 45], [-16 / 45, 8 / 45, -4 / 45], [0, 0, 1]]),
     6: np.array([[1, 0, 0], [-2 / 9, -2 / 9, -2 / 9], [-2 / 9, 2 / 9, -2 / 9], [1 / 90, 1 / 45, 2 / 45],
                  [1 / 90, -1 / 45, 2 / 45], [32 / 45, 16 / 45, 8 / 45], [32 / 45, -16 / 45, 8 / 45], [0, 0, 1]]),
 }
@@ -291,30 +293,31 @@ WINOGRAD_6X6_MIN_BLOCKS = 256
 
 
 def winograd_block(shape):
-    """The output blocks' side m (4 or 6) of the Winograd route for an input of `shape` (B, H, W; None where
-    unknown).
+    """The output blocks' side m (4, 5 or 6) of the Winograd route for an input of `shape` (B, H, W; None where
+    unknown): the m whose F(m x m, 3x3) takes the fewest matrix products, the smaller m (the more accurate) at a
+    tie.
 
-    F(6x6, 3x3) takes 64 products for 36 output pixels, F(4x4, 3x3) 36 for 16: 21% fewer on a large map, and
-    its transforms write fewer bytes. It runs on maps of at least WINOGRAD_6X6_MIN_BLOCKS blocks where it saves
-    products: a 14x14 map takes as many either way (9 blocks of 6x6, 16 of 4x4), and there the more accurate
-    F(4x4, 3x3) runs. A map whose size is known only at run time is a large one (the model's maps of images of
-    any size): 6.
+    F(m x m, 3x3) takes (m + 2)^2 products per block of m x m output pixels, ceil(H / m) ceil(W / m) blocks per
+    image: on a large map F(6x6, 3x3) takes the fewest (1.78 per pixel, against 1.96 and 2.25), and its
+    transforms write the fewest bytes; it runs on maps of at least WINOGRAD_6X6_MIN_BLOCKS blocks. A 14x14 map
+    (the mask head's RoIs) takes 441 by F(5x5, 3x3), 576 by the others. A map whose size is known only at run
+    time is a large one (the model's maps of images of any size): 6.
     """
     batch, height, width = shape
     if height is None or width is None:
         return 6
-    blocks4, blocks6 = (-(-height // m) * -(-width // m) for m in (4, 6))
-    if (batch or 1) * blocks6 < WINOGRAD_6X6_MIN_BLOCKS or 64 * blocks6 >= 36 * blocks4:
-        return 4
-    return 6
+    blocks = {m: -(-height // m) * -(-width // m) for m in (4, 5, 6)}
+    if (batch or 1) * blocks[6] < WINOGRAD_6X6_MIN_BLOCKS:
+        del blocks[6]
+    return min(blocks, key=lambda m: ((m + 2) ** 2 * blocks[m], m))
 
 
 def _chosen_block(block, shape):
-    """`block` (4 or 6) as given, or `winograd_block`'s choice for an input of `shape` if None."""
+    """`block` (4, 5 or 6) as given, or `winograd_block`'s choice for an input of `shape` if None."""
     if block is None:
         return winograd_block(shape)
     if block not in _WINOGRAD_KERNEL_TRANSFORM:
-        raise ValueError(f"block must be 4 or 6 (F(m x m, 3x3)), got {block}")
+        raise ValueError(f"block must be 4, 5 or 6 (F(m x m, 3x3)), got {block}")
     return block
 
 
@@ -332,7 +335,7 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False, block=None):
     direct conv (m = block, by default `winograd_block`'s choice); the kernels transform the pixels to and from
     Winograd's domain, the output transform adding the bias and applying the ReLU as it writes each block (no
     passes of their own).
-    Float rounding differs from the twin's by about 1e-5 of the output's scale (m = 4) or 2e-5 (m = 6). No
+    Float rounding differs from the twin's by about 1e-5 of the output's scale (m = 4) or 2e-5 (m = 5 or 6). No
     gradient: conv_ops.conv2d's custom gradient has its own.
 
     Args:
@@ -340,7 +343,7 @@ def conv2d_3x3(inputs, kernel, bias=None, relu=False, block=None):
       kernel: [3, 3, C_in, C_out] float32.
       bias: [C_out] float32 or None.
       relu: whether max(output, 0) ends it.
-      block: m, 4 or 6; None: `winograd_block`'s choice for the input's shape.
+      block: m, 4, 5 or 6; None: `winograd_block`'s choice for the input's shape.
 
     Returns:
       [B, H, W, C_out] float32.
@@ -378,7 +381,7 @@ def conv2d_3x3_kernel_gradient(inputs, out_grad, block=None):
     Args:
       inputs: [B, H, W, C_in] float32, the conv's input.
       out_grad: [B, H, W, C_out] float32, the gradient of the loss with respect to the conv's output.
-      block: m, 4 or 6; None: `winograd_block`'s choice for the input's shape.
+      block: m, 4, 5 or 6; None: `winograd_block`'s choice for the input's shape.
 
     Returns:
       [3, 3, C_in, C_out] float32.
