@@ -16,8 +16,10 @@ the flipped kernel; the first line says which block fused.winograd_block picks f
 (median of --repeats after one warm-up) and GFLOP/s of the direct conv's work, and checks that the kernel
 gradients, the forwards and the input gradients agree. TensorFlow reads
 TF_ENABLE_ONEDNN_OPTS once, at import: run the script once per setting to compare them. `--dtype bfloat16`
-times the kernels in bfloat16, as `--amp` on a CPU runs them (the fused Winograd conv is float32 only): run it
-beside the float32 default to see what a CPU's bfloat16 instructions give.
+times the kernels in bfloat16, as `--amp` on a CPU runs them, and the forward by Winograd's float32 route between
+casts (the fused Winograd conv is float32 only; the first line says whether mrcnn_tf2.ops.conv.conv2d takes that
+route for this shape on this CPU): run it beside the float32 default to see what a CPU's bfloat16 instructions
+give.
 
 `--strided K` times instead a KxK C->C conv of stride 2 and padding (K - 1) // 2 (the ResNet's strided 3x3
 convs), whose height and width are known only at run time, as in `main.py infer`: the direct conv and, when B
@@ -78,7 +80,10 @@ def main(argv=None):
             winograd[f"kernel gradient, Winograd F({block}x{block}, 3x3)"] = (
                 "kernel gradient, TensorFlow",
                 functools.partial(fused_ops.conv2d_3x3_kernel_gradient, x, out_grad, block=block))
-        kernels.update({name: fn for name, (_, fn) in winograd.items()})
+    else:  # conv_ops.conv2d's route for a bfloat16 conv of enough channels and tiles, on a CPU without AMX
+        winograd["forward, Winograd's float32 route"] = ("forward", lambda: tf.cast(
+            fused_ops.conv2d_3x3(tf.cast(x, tf.float32), tf.cast(kernel, tf.float32)), x.dtype))
+    kernels.update({name: fn for name, (_, fn) in winograd.items()})
     kernels = {name: tf.function(fn) for name, fn in kernels.items()}
 
     def relative_error(name, reference):
@@ -90,10 +95,13 @@ def main(argv=None):
                       relative_error("input gradient, matrix product of patches", "input gradient"))
     agreement = (f"kernel gradients differ by {gradient_error:.1e} of the largest, the products of patches by "
                  f"{patch_error:.1e}")
-    if winograd:
-        chosen = fused_ops.winograd_block(args.shape[:3])
-        agreement += (f", Winograd's by {max(relative_error(name, ref) for name, (ref, _) in winograd.items()):.1e}"
-                      f" (it takes F({chosen}x{chosen}, 3x3) at this shape)")
+    chosen = fused_ops.winograd_block(args.shape[:3])
+    agreement += (f", Winograd's by {max(relative_error(name, ref) for name, (ref, _) in winograd.items()):.1e}"
+                  f" (it takes F({chosen}x{chosen}, 3x3) at this shape")
+    if args.dtype == "bfloat16":
+        routed = conv_ops.bfloat16_winograd(x, kernel, 1, "SAME", conv_ops.WINOGRAD)
+        agreement += f"; conv2d takes this route here: {'yes' if routed else 'no'}"
+    agreement += ")"
     gflop = 2.0 * batch * height * width * 9 * channels * channels / 1e9
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
     computed = kernels["forward"]().dtype.name  # what ran, not what was asked for

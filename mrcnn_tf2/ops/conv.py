@@ -31,7 +31,7 @@ and on the mask head's 14x14 RoIs F(5x5, 3x3), 49 for 225: `fused_ops.winograd_b
 conv of the flipped kernel, goes the same way; so does the kernel gradient (`fused_ops.conv2d_3x3_kernel_gradient`),
 in place of `kernel_gradient`. The P2 conv at batch 1 took 193 ms against 450 ms by the transposed route; the mask
 head's convs over 100 RoIs 72 ms against 121 ms. Its rounding differs from a direct conv's by about 1e-5 of the
-output's scale (2e-5 by F(5x5, 3x3) or F(6x6, 3x3)). A bfloat16 3x3 conv of a large map with many channels takes the
+output's scale (2e-5 by F(5x5, 3x3) or F(6x6, 3x3)). A bfloat16 3x3 conv of many channels and tiles takes the
 same route in float32 between casts where the CPU's bfloat16 is AVX-512's, not AMX's (BFLOAT16_WINOGRAD): its
 output, rounded to bfloat16, is as close to the exact conv as the direct bfloat16 conv's.
 
@@ -200,28 +200,28 @@ def _winograd(inputs, kernel, strides, padding, route):
     return batch * -(-height // 4) * -(-width // 4) >= WINOGRAD_MIN_TILES
 
 
-# bfloat16 3x3 convs with at least these input channels and 4x4 output blocks per image run Winograd's float32
-# route between casts (`conv2d`). On a CPU without AMX (no amx_bf16 in /proc/cpuinfo) bfloat16 runs on
-# avx512_bf16's dot products, at most twice float32's multiply-adds per instruction (or is emulated, slower
-# still), and Winograd's 4x fewer multiply-adds win on large, wide maps (FPN levels P2 and P3 at 800 px);
-# smaller or narrower maps were as fast or faster direct (docs/PERFORMANCE.md, "On an AMD EPYC with bfloat16
-# and no AMX"). AMX's tile products run bfloat16 at many times float32's rate: there bfloat16 stays direct.
+# bfloat16 3x3 convs with at least these input channels and Winograd tiles over the batch (of
+# `fused_ops.winograd_block`'s m) run Winograd's float32 route between casts (`conv2d`). On a CPU without AMX
+# (no amx_bf16 in /proc/cpuinfo) bfloat16 runs on avx512_bf16's dot products, at most twice float32's
+# multiply-adds per instruction (or is emulated, slower still), and Winograd's 4-5x fewer multiply-adds win on
+# wide maps of enough tiles (FPN levels P2 to P4 and ResNet stage 4 at 800 px, the mask head's RoIs); narrower
+# maps, or fewer tiles (stage 5), were as fast or faster direct (docs/PERFORMANCE.md, "On an AMD EPYC with
+# bfloat16 and no AMX"). AMX's tile products run bfloat16 at many times float32's rate: there bfloat16 stays direct.
 BFLOAT16_WINOGRAD = "amx_bf16" not in (cpu_flags() or ())
 BFLOAT16_WINOGRAD_MIN_CHANNELS = 256
-BFLOAT16_WINOGRAD_MIN_TILES = 512
+BFLOAT16_WINOGRAD_MIN_TILES = 100
 
 
-def _bfloat16_winograd(inputs, kernel, strides, padding, route):
+def bfloat16_winograd(inputs, kernel, strides, padding, route):
     """Whether a bfloat16 conv runs as Winograd's float32 route (BFLOAT16_WINOGRAD's sizes): a Python bool, or
-    a boolean scalar tensor where the image's size is known only at run time."""
+    a boolean scalar tensor where the batch or the image's size is known only at run time."""
     if not (BFLOAT16_WINOGRAD and route == WINOGRAD and inputs.dtype == tf.bfloat16 and strides == 1
             and padding == "SAME" and tuple(kernel.shape[:2]) == (3, 3)
             and kernel.shape[2] >= BFLOAT16_WINOGRAD_MIN_CHANNELS):
         return False
-    height, width = inputs.shape[1:3]
-    if None in (height, width):
-        height, width = tf.unstack(tf.shape(inputs)[1:3])
-    return (height + 3) // 4 * ((width + 3) // 4) >= BFLOAT16_WINOGRAD_MIN_TILES
+    block = fused_ops.winograd_block(inputs.shape[:3])
+    batch, height, width = (tf.shape(inputs)[i] if size is None else size for i, size in enumerate(inputs.shape[:3]))
+    return batch * ((height + block - 1) // block) * ((width + block - 1) // block) >= BFLOAT16_WINOGRAD_MIN_TILES
 
 
 # The most output pixels per image (H * W, known when tracing) of a stride-1 'SAME' conv with an odd kernel that
@@ -309,7 +309,7 @@ def conv2d(inputs, kernel, strides=1, padding="SAME", bias=None, residual=None, 
         raise ValueError(f"conv route {route!r} is not one of {ROUTES}")
     # A variable read inside the custom gradient would need the `variables` protocol; read it here.
     kernel = fixed.once(tf.convert_to_tensor, kernel)
-    by_winograd = _bfloat16_winograd(inputs, kernel, strides, padding, route)
+    by_winograd = bfloat16_winograd(inputs, kernel, strides, padding, route)
     if by_winograd is not False:
         def in_float32():
             x, b, r = (None if t is None else tf.cast(t, tf.float32) for t in (inputs, bias, residual))
