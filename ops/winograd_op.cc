@@ -3,8 +3,8 @@
 //
 // A 3x3 conv computes each m x m block of output pixels (m = 4, 5 or 6, the ops' attr `block`) from the
 // (m + 2) x (m + 2) input tile around it. In Winograd's domain that takes (m + 2)^2 products per channel pair
-// instead of 9 m^2 (36 for 144, 49 for 225, 64 for 324): tile d -> V = B^T d B, kernel g -> U = G g G^T, then M = sum
-// over input channels of V * U ((m + 2)^2 matrix products [T, C_in] x [C_in, C_out], done by TensorFlow's
+// instead of 9 m^2 (36 for 144, 49 for 225, 64 for 324): tile d -> V = B^T d B, kernel g -> U = G g G^T, then
+// M = sum over input channels of V * U ((m + 2)^2 matrix products [T, C_in] x [C_in, C_out], done by TensorFlow's
 // matmul), and the output block Y = A^T M A. These kernels are the two transforms of the pixels, and the
 // second one's adjoint for the kernel gradient (products of V and A dY A^T); the kernel's transform is small
 // and stays in Python (mrcnn_tf2/ops/fused.py, which picks m per conv).
