@@ -19,7 +19,8 @@ check runs). The output does not depend on --num_workers: workers only decode an
 process writes their results in the order of the JSON, so the same input gives byte-identical shards.
 
 Example features (NVIDIA's names): image/encoded (JPEG bytes: the file itself when it is an RGB JPEG, otherwise
-the image converted to RGB and encoded; alpha is composited over black), image/source_id (str(image id), bytes),
+the image converted to RGB by `mrcnn_tf2.data.coco_io.to_rgb`, as inference reads photos, and encoded: 16-bit
+gray keeps its high byte, alpha is composited over the ImageNet mean colour), image/source_id (str(image id), bytes),
 image/height, image/width (int64, of the file), image/filename, image/object/bbox/{xmin,xmax,ymin,ymax} (float,
 normalized to [0, 1] by the file's width and height), image/object/class/label (int64, the annotation file's
 category id), image/object/class/text (category name), image/object/area (float: the annotation's 'area', else
@@ -82,7 +83,7 @@ from tqdm import tqdm
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.cli import import_tensorflow
-from mrcnn_tf2.data.coco_io import encode_jpeg
+from mrcnn_tf2.data.coco_io import encode_jpeg, to_rgb
 
 SHARD_NAME = "{tag}-{index:05d}-of-{count:05d}.tfrecord"
 WARNINGS_NAME = "{tag}_warnings.json"
@@ -100,12 +101,10 @@ MASK_BOX_TOLERANCE = 1.0
 # Fewest coordinates of a polygon: three (x, y) points.
 MIN_POLYGON_COORDINATES = 6
 BACKGROUND_CATEGORY_ID = 0
-# Colour under transparent pixels when an image with alpha is flattened to RGB.
-ALPHA_BACKGROUND = (0, 0, 0)
 
 WARNING_ACTIONS = {
     "missing_image": "image skipped (no such file)",
-    "unreadable_image": "image skipped (truncated or not decodable)",
+    "unreadable_image": "image skipped (truncated, not decodable, or of pixels with no 8-bit RGB reading)",
     "image_size_mismatch": "image kept; the file's height and width replace the JSON's",
     "unknown_image": "annotation dropped (its image_id is not in 'images')",
     "category_id_zero": "annotation dropped (category ids start at 1: 0 is the background class)",
@@ -367,16 +366,6 @@ def _check_annotation(annotation, height, width, categories, include_masks, resu
     return kinds
 
 
-def _to_rgb(image):
-    """A PIL image of any mode -> RGB, transparent pixels composited over ALPHA_BACKGROUND."""
-    if image.mode == "P" or "transparency" in image.info:
-        image = image.convert("RGBA")  # a palette or a transparent colour may carry alpha
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        background = Image.new("RGBA", image.size, ALPHA_BACKGROUND + (255,))
-        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
-    return image.convert("RGB")
-
-
 def convert_image(image, annotations, image_dir, categories, include_masks):
     """Reads one image, checks its annotations and rasterizes its masks.
 
@@ -404,6 +393,8 @@ def convert_image(image, annotations, image_dir, categories, include_masks):
     try:
         decoded = Image.open(io.BytesIO(data))
         decoded.load()  # decodes every byte now: a truncated file fails here, not in training
+        is_rgb_jpeg = decoded.format == "JPEG" and decoded.mode == "RGB"
+        encoded = data if is_rgb_jpeg else encode_jpeg(to_rgb(decoded))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         result.warnings["unreadable_image"] = f"{path}: {error}"
         return result
@@ -412,8 +403,7 @@ def convert_image(image, annotations, image_dir, categories, include_masks):
         result.warnings["image_size_mismatch"] = (
             f"the file is {height}x{width} (height x width), the JSON says {image['height']}x{image['width']}"
         )
-    is_rgb_jpeg = decoded.format == "JPEG" and decoded.mode == "RGB"
-    result.encoded = data if is_rgb_jpeg else encode_jpeg(_to_rgb(decoded))
+    result.encoded = encoded
     result.height, result.width = height, width
     annotation_warnings = {}
     for annotation in annotations:

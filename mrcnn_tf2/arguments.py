@@ -149,7 +149,8 @@ _FLAGS = {
     "min_mask_map": ("eval.min_mask_map", dict(type=float, help="stop training once mask AP reaches this")),
     "input": (
         "infer.input",
-        dict(help="infer on this image file, folder or glob of JPEG/PNG files (None: the validation TFRecords)"),
+        dict(help="infer on this image file, folder or glob of image files (JPEG, PNG, BMP, GIF, TIFF, WebP; "
+                  "None: the validation TFRecords)"),
     ),
     "output_dir": ("infer.output_dir", dict(help="inference outputs (None: <model_dir>/inference)")),
     "visualize": (
@@ -182,7 +183,7 @@ _FLAGS = {
     ),
     "calibration": (
         "export.calibration",
-        dict(help="export openvino_int8: calibration images, a JPEG/PNG file, folder or glob (None: the validation "
+        dict(help="export openvino_int8: calibration images, an image file, folder or glob (None: the validation "
                   "TFRecords)"),
     ),
     "calibration_images": (

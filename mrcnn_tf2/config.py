@@ -283,7 +283,7 @@ class EvalConfig:
 class InferConfig:
     """`main.py infer`: what to run on, where the predictions and pictures go."""
 
-    # An image file, a folder or a glob of JPEG/PNG files; None: the validation TFRecords.
+    # An image file, a folder or a glob of image files (infer.IMAGE_EXTENSIONS); None: the validation TFRecords.
     input: Optional[str] = None
     # Where predictions.json (and the PNGs) go; None: <model_dir>/inference.
     output_dir: Optional[str] = None
@@ -311,7 +311,7 @@ class ExportConfig:
     export_dir: Optional[str] = None
     # Any of EXPORT_FORMATS (mrcnn_tf2.runtime.deploy tells what each writes).
     formats: tuple[str, ...] = ("saved_model",)
-    # openvino_int8's calibration images: an image file, folder or glob of JPEG/PNG files; None: the validation
+    # openvino_int8's calibration images: an image file, folder or glob of image files; None: the validation
     # TFRecords (data.validation_file_pattern).
     calibration: Optional[str] = None
     # How many of them (at most).

@@ -17,7 +17,7 @@ from pycocotools.coco import COCO
 from dataset import create_coco_tf_record as converter
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
 from mrcnn_tf2 import status
-from mrcnn_tf2.data.coco_io import encode_jpeg
+from mrcnn_tf2.data.coco_io import TRANSPARENT_FILL, encode_jpeg
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
 # compared separately so that no unexpected key slips in.
@@ -423,7 +423,10 @@ def test_colour_modes_become_rgb_jpeg_of_the_same_size(tmp_path):
     palette.putpalette(colours.ravel().tolist() + [0] * (256 - len(colours)) * 3)
     palette.save(image_dir / "palette.png", transparency=3)  # the yellow stripe is transparent
     write_jpeg(image_dir / "rgb.jpg", height, width)
-    names = ["gray.jpg", "cmyk.jpg", "rgba.png", "palette.png", "rgb.jpg"]
+    deep = np.tile(np.arange(width, dtype=np.uint16) * 1500 + 255, (height, 1))  # 16-bit gray, low bytes of 255
+    Image.fromarray(deep).save(image_dir / "gray16.png")
+    Image.fromarray(deep.astype(np.float32)).save(image_dir / "float.tif")  # no 8-bit reading: skipped
+    names = ["gray.jpg", "cmyk.jpg", "rgba.png", "palette.png", "rgb.jpg", "gray16.png", "float.tif"]
     dataset = {
         "images": [{"id": i + 1, "file_name": n, "height": height, "width": width} for i, n in enumerate(names)],
         "annotations": [],
@@ -431,11 +434,14 @@ def test_colour_modes_become_rgb_jpeg_of_the_same_size(tmp_path):
     }
     annotations_file = write_json(tmp_path / "instances_val.json", dataset)
     output_dir = str(tmp_path / "out")
-    converter.convert_coco(str(image_dir), annotations_file, output_dir, num_shards=1, num_workers=1,
-                           progress=False)
+    summary = converter.convert_coco(str(image_dir), annotations_file, output_dir, num_shards=1, num_workers=1,
+                                     progress=False)
     records, _ = read_shards(output_dir, "val")
+    assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    with open(summary.warnings_path) as f:
+        assert "PIL mode F (32-bit float pixels)" in json.load(f)["images"]["7"]["unreadable_image"]
     decoded = {}
-    for image in dataset["images"]:
+    for image in dataset["images"][:6]:
         encoded = records[image["id"]]["image/encoded"]
         with Image.open(io.BytesIO(encoded)) as pil:
             assert (pil.format, pil.mode, pil.size) == ("JPEG", "RGB", (width, height)), image["file_name"]
@@ -447,11 +453,15 @@ def test_colour_modes_become_rgb_jpeg_of_the_same_size(tmp_path):
     assert np.abs(decoded["cmyk.jpg"] - np.asarray(cmyk.convert("RGB"), np.int32)).max() <= tolerance
     # Lossless sources: the RGB pixels they must become are known exactly, so must be the JPEG bytes.
     flattened = np.zeros((height, width, 3), np.uint8)
-    flattened[:, : width // 2] = (200, 50, 20)  # transparent pixels become black
+    flattened[:] = TRANSPARENT_FILL  # transparent pixels become the fill, as inference's photos do
+    flattened[:, : width // 2] = (200, 50, 20)
     assert records[3]["image/encoded"] == encode_jpeg(Image.fromarray(flattened))
-    expected_palette = np.where(indices[..., None] == 3, 0, colours[indices]).astype(np.uint8)
+    expected_palette = np.where(indices[..., None] == 3, TRANSPARENT_FILL, colours[indices]).astype(np.uint8)
     assert records[4]["image/encoded"] == encode_jpeg(Image.fromarray(expected_palette))
     assert records[5]["image/encoded"] == (image_dir / "rgb.jpg").read_bytes()
+    # 16-bit gray: its high byte (not 255 everywhere, as PIL's own convert() would make it).
+    high_byte = np.repeat((deep >> 8).astype(np.uint8)[..., None], 3, axis=-1)
+    assert records[6]["image/encoded"] == encode_jpeg(Image.fromarray(high_byte))
 
 
 def test_without_masks_and_skip_empty(tmp_path):

@@ -252,8 +252,9 @@ def test_predictor_gives_each_image_its_detections_in_its_own_pixels_from_a_chec
     images = [predictor.read_image(path) for path in paths]
     from_checkpoint = predictor.Predictor(config=config_for("infer", model_dir, "--custom_ops", "off"))(
         [paths[0], images[1]])
-    from_onnx = predictor.Predictor(os.path.join(exported, "model.onnx"))(paths)
-    alone = predictor.Predictor(os.path.join(exported, "model.onnx"))(images[1])  # one image: one dict
+    onnx = predictor.Predictor(os.path.join(exported, "model.onnx"))
+    from_onnx = onnx(paths)
+    alone = onnx(images[1])  # one image: one dict
     for image, mine, theirs in zip(images, from_onnx, from_checkpoint):
         count = len(theirs["scores"])
         assert count > 0 and len(mine["scores"]) == count
@@ -266,6 +267,10 @@ def test_predictor_gives_each_image_its_detections_in_its_own_pixels_from_a_chec
         # Boxes in the image's own pixels.
         assert (theirs["boxes"] >= 0).all() and (theirs["boxes"][:, 2] <= image.shape[0]).all()
     np.testing.assert_array_equal(alone["scores"], from_onnx[1]["scores"])
+    with Image.open(paths[1]) as opened:  # a PIL image: as its file
+        np.testing.assert_array_equal(onnx(opened)["scores"], from_onnx[1]["scores"])
+    with pytest.raises(ValueError, match=r"^image 1: an image array must be uint8 .* got float64 of shape"):
+        onnx([paths[0], images[1] / 255.0])  # floats in [0, 1]: refused, not read as black
 
 
 def test_an_exported_path_that_is_not_an_artefact_is_one_line_naming_it(exported, tmp_path, capsys):

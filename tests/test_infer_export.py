@@ -1,7 +1,7 @@
-"""`main.py infer` and `main.py export`: photo decoding (grayscale, alpha, EXIF), drawing (at the original size,
-small images upscaled), label maps, runs on
-photos with a corrupt file among them and on the validation TFRecords, the inference benchmark, and the
-SavedModel: round trip in a fresh process and `saved_model_cli run`, both equal to in-process inference.
+"""`main.py infer` and `main.py export`: photo decoding (grayscale, 16 bits, alpha, EXIF, arrays), drawing (at
+the original size, small images upscaled), label maps, runs on photos with a corrupt file among them and on the
+validation TFRecords, the inference benchmark, and the SavedModel: round trip in a fresh process and
+`saved_model_cli run`, both equal to in-process inference.
 
 The model is a ResNet-18 at 128x128 with freshly initialised weights saved as a checkpoint: its class
 scores are near uniform, so every image gets its full quota of detections to compare and draw.
@@ -9,6 +9,7 @@ scores are near uniform, so every image gets its full quota of detections to com
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,10 @@ from PIL import Image
 
 import main
 from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.data import coco_io
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import visualize
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime import export, infer, predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
 from tests.support import SMALL_FLAGS
@@ -77,14 +80,14 @@ def test_read_image_makes_grayscale_rgb_composites_alpha_and_applies_exif(tmp_pa
     rgba[:, : width // 2, 3] = 0
     Image.fromarray(rgba).save(tmp_path / "rgba.png")
     composited = predictor.read_image(tmp_path / "rgba.png")
-    assert (composited[:, : width // 2] == predictor.TRANSPARENT_FILL).all()
+    assert (composited[:, : width // 2] == coco_io.TRANSPARENT_FILL).all()
     np.testing.assert_array_equal(composited[:, width // 2:], photo[:, width // 2:])
     Image.fromarray(rgba).convert("LA").save(tmp_path / "la.png")
-    assert (predictor.read_image(tmp_path / "la.png")[:, : width // 2] == predictor.TRANSPARENT_FILL).all()
+    assert (predictor.read_image(tmp_path / "la.png")[:, : width // 2] == coco_io.TRANSPARENT_FILL).all()
     palette = rgb.convert("P")
     palette.info["transparency"] = int(np.asarray(palette)[0, 0])  # the top-left pixel's colour
     palette.save(tmp_path / "palette.png")
-    assert (predictor.read_image(tmp_path / "palette.png")[0, 0] == predictor.TRANSPARENT_FILL).all()
+    assert (predictor.read_image(tmp_path / "palette.png")[0, 0] == coco_io.TRANSPARENT_FILL).all()
 
     # Orientation 6: the stored pixels are shown rotated 90 degrees clockwise.
     save_with_orientation(rgb, tmp_path / "rotated.png", ROTATE_90_CW)
@@ -93,12 +96,43 @@ def test_read_image_makes_grayscale_rgb_composites_alpha_and_applies_exif(tmp_pa
     assert predictor.read_image(tmp_path / "rotated.jpg").shape == (width, height, 3)
 
 
+def test_read_image_takes_16_bit_gray_pil_images_and_arrays_and_refuses_what_it_would_guess(tmp_path, photo):
+    # 16-bit gray keeps its high byte (PIL's own convert would clip every pixel to 255), in PNG and TIFF.
+    gray = np.asarray(Image.fromarray(photo).convert("L"))
+    deep = gray.astype(np.uint16) * 256 + 255  # low bytes that must not round up
+    Image.fromarray(deep).save(tmp_path / "deep.png")
+    Image.fromarray(deep).save(tmp_path / "deep.tif")
+    for name in ("deep.png", "deep.tif"):
+        assert Image.open(tmp_path / name).mode == "I;16"
+        np.testing.assert_array_equal(predictor.read_image(tmp_path / name), np.stack([gray] * 3, -1))
+    # 32-bit integer or float pixels have no 8-bit reading: refused, naming the mode.
+    for array, mode in ((deep.astype(np.int32), "I"), (gray.astype(np.float32), "F")):
+        Image.fromarray(array).save(tmp_path / f"{mode}.tif")
+        with pytest.raises(ValueError, match=f"PIL mode {mode} "):
+            predictor.read_image(tmp_path / f"{mode}.tif")
+
+    # A PIL image reads as its file does (EXIF orientation included); arrays of uint8 gray and RGBA as their PNGs.
+    save_with_orientation(Image.fromarray(photo), tmp_path / "rotated.png", ROTATE_90_CW)
+    with Image.open(tmp_path / "rotated.png") as opened:
+        np.testing.assert_array_equal(predictor.read_image(opened), np.rot90(photo, k=-1))
+    assert predictor.read_image(photo) is photo
+    np.testing.assert_array_equal(predictor.read_image(gray), np.stack([gray] * 3, -1))
+    np.testing.assert_array_equal(predictor.read_image(gray[..., None]), np.stack([gray] * 3, -1))
+    rgba = np.concatenate([photo, np.zeros(photo.shape[:2] + (1,), np.uint8)], axis=-1)
+    assert (predictor.read_image(rgba) == coco_io.TRANSPARENT_FILL).all()
+    for array in (photo / 255.0, photo.astype(np.uint16) * 257, photo.transpose(2, 0, 1), photo[:0]):
+        with pytest.raises(ValueError, match=re.escape(f"got {array.dtype} of shape {list(array.shape)}")):
+            predictor.read_image(array)
+    # The fill is the mean the input normalisation subtracts, so that transparent pixels normalise to 0.
+    assert coco_io.TRANSPARENT_FILL == tuple(round(v) for v in IMAGENET_MEAN)
+
+
 def test_list_image_files_takes_a_file_a_folder_or_a_glob(tmp_path):
-    for name in ("b.png", "a.JPG", "c.jpeg", "notes.txt"):
+    for name in ("b.png", "a.JPG", "c.jpeg", "e.tif", "f.WebP", "g.bmp", "notes.txt"):
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "d.png").write_bytes(b"x")
-    expected = [str(tmp_path / name) for name in ("a.JPG", "b.png", "c.jpeg")]
+    expected = [str(tmp_path / name) for name in ("a.JPG", "b.png", "c.jpeg", "e.tif", "f.WebP", "g.bmp")]
     assert infer.list_image_files(str(tmp_path)) == expected  # not recursive, images only
     assert infer.list_image_files(str(tmp_path / "*")) == expected
     assert infer.list_image_files(str(tmp_path / "notes.txt")) == [str(tmp_path / "notes.txt")]  # named: read

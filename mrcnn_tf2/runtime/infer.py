@@ -2,10 +2,11 @@
 results and, with --visualize, pictures; `main.py infer --benchmark`: inference throughput and latency.
 
 Images come from the validation TFRecords (at most eval.eval_samples, in file order, ids = COCO image ids)
-or, with --input, from an image file, a folder (its JPEG/PNG files, not recursive) or a glob (its JPEG/PNG
-matches), in sorted order with ids 1, 2, ... (an unreadable file's id stays unused). Photos are decoded
-with PIL, turned upright by their EXIF orientation, grayscale made RGB, and transparency composited over
-the ImageNet mean colour (which the normalisation maps to 0, like the padding); then every image is
+or, with --input, from an image file, a folder (its image files by IMAGE_EXTENSIONS, not recursive) or a glob
+(its image files), in sorted order with ids 1, 2, ... (an unreadable file's id stays unused). Photos are decoded
+with PIL, turned upright by their EXIF orientation and made RGB as the converter makes them (`coco_io.to_rgb`:
+16-bit gray its high byte, transparency composited over the ImageNet mean colour, which the normalisation maps
+to 0 like the padding); then every image is
 resized, normalised and padded by `mrcnn_tf2.data.preprocess`, as the input pipeline does. A file that
 cannot be read is reported on stderr by name and skipped. With data.pad_to_multiple (the torchvision
 presets) a batch holds only images of one padded shape, so an image's detections are those it gets alone.
@@ -47,15 +48,17 @@ from mrcnn_tf2.runtime.predictor import Photo, Predictor, load_model, pad_batch,
 
 PREDICTIONS_FILE = "predictions.json"
 IMAGES_FILE = "images.json"
-# Extensions of the files a folder or glob --input picks up (a file named directly is read whatever its name).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+# Extensions of the files a folder or glob --input picks up, any case (a file named directly is read whatever its
+# name): the formats PIL reads that photos and datasets come in.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
 # -- inputs -------------------------------------------------------------------------------------------------
 
 
 def list_image_files(pattern):
-    """Paths --input names, sorted: the file itself, a folder's JPEG/PNG files, or a glob's JPEG/PNG matches."""
+    """Paths --input names, sorted: the file itself, a folder's image files, or a glob's image files (by their
+    IMAGE_EXTENSIONS)."""
     if os.path.isfile(pattern):
         return [pattern]
     candidates = [os.path.join(pattern, name) for name in os.listdir(pattern)] if os.path.isdir(pattern) \
@@ -125,7 +128,7 @@ def run(config):
     if infer.input is not None:
         paths = list_image_files(infer.input)
         if not paths:
-            return _fail(f"--input {infer.input}: no JPEG or PNG file there")
+            return _fail(f"--input {infer.input}: no image file there ({', '.join(IMAGE_EXTENSIONS)})")
         photos = photos_from_files(paths)
     else:
         photos = photos_from_records(config.data.resolved_validation_pattern(), config.eval.eval_samples)

@@ -25,10 +25,10 @@ import tensorflow as tf
 from PIL import Image, ImageOps
 
 from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.data.coco_io import to_rgb
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.ops import fixed
 from mrcnn_tf2.runtime import deploy
@@ -203,8 +203,6 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
 
 # A model directory's own class names, in --label_map's format (a converted torchvision COCO model has them).
 LABEL_MAP_FILE = "label_map.json"
-# What transparent pixels become: the ImageNet mean normalises to 0, as the padding does.
-TRANSPARENT_FILL = tuple(int(round(v)) for v in IMAGENET_MEAN)
 
 
 @dataclasses.dataclass
@@ -216,18 +214,29 @@ class Photo:
     image: np.ndarray  # [h, w, 3] uint8 RGB
 
 
-def read_image(path):
-    """[h, w, 3] uint8 RGB of the image file at `path`, upright by its EXIF orientation.
+def read_image(image):
+    """[h, w, 3] uint8 RGB of `image`: an image file's path, a PIL image, or a uint8 array, [h, w, 3] RGB, [h, w]
+    or [h, w, 1] gray, or [h, w, 4] RGBA.
 
-    Grayscale becomes RGB; transparency (RGBA, LA, palette with a transparent colour) is composited over
-    TRANSPARENT_FILL. Raises what PIL raises for an unreadable file (OSError and others).
+    A file or a PIL image is turned upright by its EXIF orientation. Every other kind than an RGB array goes
+    through `coco_io.to_rgb`, as the converter's images do: gray becomes RGB (16-bit gray its high byte),
+    transparency is composited over coco_io.TRANSPARENT_FILL. Raises ValueError for an array of another dtype or
+    shape, or without pixels, and what PIL raises for an unreadable file (OSError and others).
     """
-    with Image.open(path) as opened:
-        image = ImageOps.exif_transpose(opened)
-        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-            background = Image.new("RGBA", image.size, TRANSPARENT_FILL + (255,))
-            image = Image.alpha_composite(background, image.convert("RGBA"))
-        return np.asarray(image.convert("RGB"))
+    if isinstance(image, (str, os.PathLike)):
+        with Image.open(image) as opened:
+            return read_image(opened)
+    if isinstance(image, Image.Image):
+        return np.asarray(to_rgb(ImageOps.exif_transpose(image)))
+    array = np.asarray(image)
+    channels = array.shape[2] if array.ndim == 3 else 1
+    if array.dtype != np.uint8 or array.ndim not in (2, 3) or channels not in (1, 3, 4) or 0 in array.shape:
+        # Floats in [0, 1] read as uint8 would be black, 16-bit values would wrap: no guess is made.
+        raise ValueError(f"an image array must be uint8 [h, w, 3] RGB, [h, w] or [h, w, 1] gray or [h, w, 4] "
+                         f"RGBA, with pixels; got {array.dtype} of shape {list(array.shape)}")
+    if channels == 3:
+        return array
+    return np.asarray(to_rgb(Image.fromarray(array.reshape(array.shape[:2]) if channels == 1 else array)))
 
 
 def preprocess(photo, preprocessor):
@@ -382,7 +391,7 @@ class Predictor:
         predictor = Predictor("runs/my_model")                            # TensorFlow, the newest checkpoint
         predictor = Predictor("runs/my_model/saved_model/model.onnx")    # or .tflite, openvino/model.xml,
                                                                           # or the export directory (SavedModel)
-        detections = predictor("photo.jpg")             # or a uint8 [h, w, 3] RGB array, or a list of either
+        detections = predictor("photo.jpg")             # or a PIL image, a uint8 [h, w, 3] RGB array, or a list
 
     Each image's detections: dict with boxes [N, 4] float32 [ymin, xmin, ymax, xmax] in the image's pixels,
     classes [N] int64 category ids, names [N] str, scores [N] float32 (descending), masks [N, h, w] bool pasted
@@ -407,13 +416,18 @@ class Predictor:
             yield chunk, self.backend(batch)
 
     def __call__(self, images):
-        """images: a path or uint8 [h, w, 3] RGB array, or a list of them -> the dict of the class docstring for
-        each (one dict for one image)."""
+        """images: an image, as `read_image` takes it (a path, a PIL image or a uint8 array), or a list of them
+        -> the dict of the class docstring for each (one dict for one image). ValueError names the image that
+        cannot be read as RGB."""
         single = not isinstance(images, (list, tuple))
         images = [images] if single else list(images)
-        photos = [Photo(index, str(image) if isinstance(image, (str, os.PathLike)) else f"image {index}",
-                        read_image(image) if isinstance(image, (str, os.PathLike)) else np.asarray(image, np.uint8))
-                  for index, image in enumerate(images)]
+        photos = []
+        for index, image in enumerate(images):
+            name = str(image) if isinstance(image, (str, os.PathLike)) else f"image {index}"
+            try:
+                photos.append(Photo(index, name, read_image(image)))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
         found = [None] * len(photos)
         for chunk, outputs in self.batches(photos):
             for b, photo in enumerate(chunk):
