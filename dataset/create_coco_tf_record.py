@@ -20,9 +20,10 @@ process writes their results in the order of the JSON, so the same input gives b
 
 Example features (NVIDIA's names): image/encoded (JPEG bytes: the file itself when it is an RGB JPEG, otherwise
 the image converted to RGB by `mrcnn_tf2.data.coco_io.to_rgb`, as inference reads photos, and encoded: 16-bit
-gray keeps its high byte, alpha is composited over the ImageNet mean colour), image/source_id (str(image id), bytes),
-image/height, image/width (int64, of the file), image/filename, image/object/bbox/{xmin,xmax,ymin,ymax} (float,
-normalized to [0, 1] by the file's width and height), image/object/class/label (int64, the annotation file's
+gray keeps its high byte, alpha is composited over the ImageNet mean colour; turned upright first in the one case
+of the exif_upright warning below), image/source_id (str(image id), bytes), image/height, image/width (int64, of
+the image written), image/filename, image/object/bbox/{xmin,xmax,ymin,ymax} (float, normalized to [0, 1] by its
+width and height), image/object/class/label (int64, the annotation file's
 category id), image/object/class/text (category name), image/object/area (float: the annotation's 'area', else
 the mask's pixel count, else the box's), image/object/is_crowd (int64), image/object/mask (with masks: one PNG
 per instance, full image size, one channel, values 0/1, rasterized by pycocotools from polygons, uncompressed or
@@ -41,7 +42,11 @@ Problems with individual images and annotations are recorded in <tag>_warnings.j
 then by kind: annotation kinds list annotation ids, image kinds give a message. The file repeats WARNING_ACTIONS
 under "actions" and counts each kind under "counts". Kinds and actions:
   missing_image            image skipped (no such file)
-  unreadable_image         image skipped (truncated or not decodable)
+  unreadable_image         image skipped (truncated, not decodable, or of 32-bit pixels, which have no 8-bit
+                           RGB reading)
+  exif_upright             image turned upright by its EXIF orientation (a quarter turn) and re-encoded: the
+                           JSON gives the upright image's height and width, so its annotations are taken in the
+                           upright image's pixels, as a labelling tool that showed the photo upright made them
   image_size_mismatch      image kept; the file's height and width replace the JSON's (boxes and polygons are
                            taken as they are, in the file's pixels)
   unknown_image            annotation dropped (its image_id is not in 'images'; listed under that image_id)
@@ -77,7 +82,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 
-from PIL import Image
+from PIL import Image, ImageOps
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
@@ -105,6 +110,7 @@ BACKGROUND_CATEGORY_ID = 0
 WARNING_ACTIONS = {
     "missing_image": "image skipped (no such file)",
     "unreadable_image": "image skipped (truncated, not decodable, or of pixels with no 8-bit RGB reading)",
+    "exif_upright": "image turned upright by its EXIF orientation, whose height and width the JSON gives",
     "image_size_mismatch": "image kept; the file's height and width replace the JSON's",
     "unknown_image": "annotation dropped (its image_id is not in 'images')",
     "category_id_zero": "annotation dropped (category ids start at 1: 0 is the background class)",
@@ -121,7 +127,10 @@ WARNING_ACTIONS = {
     ),
 }
 # Kinds that concern a whole image (their value is a message); the others list annotation ids.
-IMAGE_WARNINGS = ("missing_image", "unreadable_image", "image_size_mismatch")
+IMAGE_WARNINGS = ("missing_image", "unreadable_image", "exif_upright", "image_size_mismatch")
+# The EXIF tag of the orientation, and its values that turn the image a quarter (mirrored or not), swapping its
+# height and width: only then can the JSON's size tell which pixels its annotations were made on.
+EXIF_ORIENTATION, QUARTER_TURNS = 0x0112, (5, 6, 7, 8)
 
 
 class BadInputError(ValueError):
@@ -393,11 +402,24 @@ def convert_image(image, annotations, image_dir, categories, include_masks):
     try:
         decoded = Image.open(io.BytesIO(data))
         decoded.load()  # decodes every byte now: a truncated file fails here, not in training
-        is_rgb_jpeg = decoded.format == "JPEG" and decoded.mode == "RGB"
+        stored = decoded.size
+        orientation = decoded.getexif().get(EXIF_ORIENTATION)
+        # COCO's annotations are in the stored pixels; a JSON that gives the size turned a quarter, as the EXIF
+        # orientation turns it, was made on the upright photo.
+        upright = (orientation in QUARTER_TURNS and (image["width"], image["height"]) == stored[::-1]
+                   and stored[0] != stored[1])
+        if upright:
+            decoded = ImageOps.exif_transpose(decoded)
+        is_rgb_jpeg = not upright and decoded.format == "JPEG" and decoded.mode == "RGB"
         encoded = data if is_rgb_jpeg else encode_jpeg(to_rgb(decoded))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         result.warnings["unreadable_image"] = f"{path}: {error}"
         return result
+    if upright:
+        result.warnings["exif_upright"] = (
+            f"the file's pixels are {stored[1]}x{stored[0]} (height x width) with EXIF orientation {orientation}, "
+            f"the JSON says {image['height']}x{image['width']}: turned upright"
+        )
     width, height = decoded.size
     if (height, width) != (image["height"], image["width"]):
         result.warnings["image_size_mismatch"] = (

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from PIL import Image
+from PIL import Image, ImageOps
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
@@ -462,6 +462,47 @@ def test_colour_modes_become_rgb_jpeg_of_the_same_size(tmp_path):
     # 16-bit gray: its high byte (not 255 everywhere, as PIL's own convert() would make it).
     high_byte = np.repeat((deep >> 8).astype(np.uint8)[..., None], 3, axis=-1)
     assert records[6]["image/encoded"] == encode_jpeg(Image.fromarray(high_byte))
+
+
+def test_a_photo_annotated_upright_is_turned_by_its_exif_orientation(tmp_path):
+    """A JSON that gives the quarter-turned size of a photo with EXIF orientation 6 was made on the upright photo:
+    its pixels are turned, its annotations kept. The stored size, a half turn (3) or a square photo: as stored."""
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    stored = np.random.default_rng(0).integers(0, 256, (24, 40, 3), np.uint8)  # height 24, width 40
+    for name, orientation, side in (("quarter.jpg", 6, None), ("half.jpg", 3, None), ("square.jpg", 6, 24)):
+        exif = Image.Exif()
+        exif[converter.EXIF_ORIENTATION] = orientation
+        Image.fromarray(stored[:, :side]).save(image_dir / name, exif=exif, quality=95)
+    Image.fromarray(stored).save(image_dir / "plain.jpg", quality=95)  # no orientation
+    # Image 1 has the upright size; 2 (the same file), 3 and 4 their stored sizes; 5 is a plain size mismatch.
+    entries = [("quarter.jpg", 40, 24), ("quarter.jpg", 24, 40), ("half.jpg", 24, 40), ("square.jpg", 24, 24),
+               ("plain.jpg", 40, 24)]
+    dataset = {
+        "images": [{"id": i + 1, "file_name": name, "height": height, "width": width}
+                   for i, (name, height, width) in enumerate(entries)],
+        # A box in the upright photo's lower half (y 30-36 of its 40 rows): outside the stored pixels' 24.
+        "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [2, 30, 10, 6],
+                         "segmentation": [polygon_box(2, 30, 12, 36)]}],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    annotations_file = write_json(tmp_path / "instances_val.json", dataset)
+    summary = converter.convert_coco(str(image_dir), annotations_file, str(tmp_path / "out"), num_shards=1,
+                                     num_workers=1, progress=False)
+    records, _ = read_shards(str(tmp_path / "out"), "val")
+    with open(summary.warnings_path) as f:
+        listed = json.load(f)["images"]
+    assert listed == {"1": {"exif_upright": "the file's pixels are 24x40 (height x width) with EXIF orientation 6, "
+                                            "the JSON says 40x24: turned upright"},
+                      "5": {"image_size_mismatch": "the file is 24x40 (height x width), the JSON says 40x24"}}
+    with Image.open(image_dir / "quarter.jpg") as opened:
+        upright = ImageOps.exif_transpose(opened)
+        assert records[1]["image/encoded"] == encode_jpeg(upright.convert("RGB"))
+    assert (records[1]["image/height"], records[1]["image/width"]) == (40, 24)
+    np.testing.assert_allclose([records[1]["image/object/bbox/ymin"][0], records[1]["image/object/bbox/ymax"][0]],
+                               [30 / 40, 36 / 40])
+    for image_id, name in ((2, "quarter.jpg"), (3, "half.jpg"), (4, "square.jpg"), (5, "plain.jpg")):  # as stored
+        assert records[image_id]["image/encoded"] == (image_dir / name).read_bytes()
 
 
 def test_without_masks_and_skip_empty(tmp_path):
