@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, flip_horizontally,
+from mrcnn_tf2.data.pipeline import (InputPipeline, bad_label_message, crop_instance_masks, flip_horizontally,
                                      notice_record_sharding, worker_records)
 from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
 from mrcnn_tf2.model.factory import build_anchors, choose_ops
@@ -297,6 +297,29 @@ def test_images_without_objects_decode_and_train_as_negatives(records):
     assert (example["gt_classes"].numpy() == -1).all()
     labels = np.concatenate([t.numpy().ravel() for t in example["rpn_score_targets"].values()])
     assert (labels == 1).sum() == 0 and (labels == 0).sum() == 256
+
+
+def test_a_class_label_outside_num_classes_stops_the_input_naming_the_record_and_the_labels(records):
+    train, _, _ = records
+    config = make_config()
+    config.model.num_classes = 4  # the shapes have classes 1 to 5
+    pipeline = training_pipeline(config)
+    named = 0
+    for path in sorted(tf.io.gfile.glob(train)):
+        for serialized in tf.data.TFRecordDataset(path):
+            example = decode_example(serialized)
+            outside = [str(c) for c, crowd in zip(example["gt_classes"].numpy(), example["gt_is_crowd"].numpy())
+                       if c >= 4 and not crowd]  # crowd regions are dropped before the check
+            if not outside:
+                pipeline.preprocess_train(tf.constant(0, tf.int64), serialized)
+                continue
+            with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+                pipeline.preprocess_train(tf.constant(0, tf.int64), serialized)
+            assert bad_label_message(raised.value) == (f"training record with source_id {int(example['source_id'])} "
+                                                       f"holds class labels {', '.join(outside)}")
+            named += 1
+    assert named >= 2
+    assert bad_label_message(tf.errors.InvalidArgumentError(None, None, "another error")) is None
 
 
 def test_input_pipeline_with_fused_anchor_targets_equals_twin(records):

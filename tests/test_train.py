@@ -269,6 +269,15 @@ def test_missing_training_files_are_a_clear_error(tmp_path, capsys):
     assert "--data_dir" in err and "train*.tfrecord" in err
 
 
+def test_a_class_label_outside_num_classes_is_a_clear_error_before_any_checkpoint(tmp_path, shapes_records, capsys):
+    assert run_main(["train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), *SMALL_FLAGS,
+                     "--num_classes", "3", "--epochs", "1", "--steps_per_epoch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "main.py: error: --num_classes: 3, but a training record with source_id " in err
+    assert "the labels must be 1 to 2 (0 is the background)" in err and "Traceback" not in err
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("ckpt")]
+
+
 def test_target_is_reached_when_every_given_ap_is_met():
     metrics = {"bbox/AP": 0.40, "segm/AP": 0.30}
     assert targets_reached(metrics, 0.377, 0.30)  # at the target counts

@@ -21,6 +21,7 @@ FPN level l, A anchors per cell.
 """
 
 import functools
+import re
 
 import tensorflow as tf
 
@@ -38,6 +39,9 @@ PADDING_MASK = -1.0
 SHUFFLE_RECORDS = 256
 # Files read at once by the interleave.
 CYCLE_LENGTH = 8
+# Opens the message of the assertion a training record fails when it holds a class label outside 1 ..
+# num_classes - 1 (`bad_label_message` finds it in the error the iterator raises).
+BAD_LABEL = "training record with source_id "
 
 
 def crop_instance_masks(masks, boxes, size):
@@ -96,6 +100,13 @@ def flip_horizontally(image, boxes, *mask_crops):
     ymin, xmin, ymax, xmax = tf.unstack(boxes, axis=-1)
     boxes = tf.stack([ymin, width - xmax, ymax, width - xmin], axis=-1)
     return (image[:, ::-1, :], boxes, *[crops[:, :, ::-1] for crops in mask_crops])
+
+
+def bad_label_message(error):
+    """"training record with source_id N holds class labels L, ..." when `error` (an error of the training iterator)
+    is the assertion of `InputPipeline._checked_labels`, else None."""
+    found = re.search(re.escape(BAD_LABEL) + r"-?\d+ holds class labels -?\d+(, -?\d+)*", error.message)
+    return found and found.group()
 
 
 def check_tfrecord_file(path, file_pattern):
@@ -245,6 +256,17 @@ class InputPipeline:
         base = self.seed if self.seed is not None else tf.random.uniform([], 0, 2**31 - 1, tf.int64)
         return tf.stack([tf.cast(base, tf.int64), tf.cast(index, tf.int64)])
 
+    def _checked_labels(self, classes, source_id):
+        """classes [K] int32, after an assertion that each is a class of the model (1 .. num_classes - 1; 0 is
+        the background): a label past the classifier's outputs would otherwise stop training deep in the loss,
+        and a 0 would make the object a negative."""
+        bad = tf.logical_or(classes < 1, classes >= self.model.num_classes)
+        labels = tf.strings.reduce_join(tf.strings.as_string(tf.boolean_mask(classes, bad)), separator=", ")
+        found = tf.strings.join([tf.strings.as_string(source_id), " holds class labels ", labels])
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [BAD_LABEL + found])
+        with tf.control_dependencies([check]):
+            return tf.identity(classes)
+
     def preprocess_train(self, index, serialized):
         """One training example.
 
@@ -264,6 +286,7 @@ class InputPipeline:
         boxes, classes = tf.boolean_mask(boxes, keep), tf.boolean_mask(classes, keep)
         if not data.use_category:
             classes = tf.ones_like(classes)
+        classes = self._checked_labels(classes, example["source_id"])
         # The mask crops, when the model has a mask branch, travel with the boxes through the flip.
         parts = (image, boxes)
         if include_mask:

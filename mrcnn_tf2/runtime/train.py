@@ -29,7 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from mrcnn_tf2 import status
-from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.data.pipeline import InputPipeline, bad_label_message
 from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata
 from mrcnn_tf2.runtime import model_dir_lock
@@ -304,6 +305,14 @@ class Trainer:
             print(f"[train] error: {err}", file=sys.stderr)
             logger.event("stopped", reason=str(err))
             return status.FAILURE  # the message names the cause
+        except tf.errors.InvalidArgumentError as err:
+            found = bad_label_message(err)
+            if found is None:
+                raise
+            num_classes = self.config.model.num_classes
+            raise ConfigError("--num_classes", f"{num_classes}, but a {found}: the labels must be 1 to "
+                              f"{num_classes - 1} (0 is the background); --num_classes is the largest category id "
+                              "plus one") from None
         finally:
             logger.close()
 
