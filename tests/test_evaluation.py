@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 
 import numpy as np
@@ -14,6 +15,7 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
 import main
+from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.evaluation import coco_metrics
 from tests.support import SMALL_FLAGS, TRAINED_STEPS
 
@@ -269,6 +271,31 @@ def test_bad_arguments_raise_value_errors(coco_gt):
         coco_metrics.format_table({})
 
 
+def test_an_annotation_file_that_is_not_coco_json_is_a_config_error_naming_it(tmp_path):
+    for name, content, detail in (("broken.json", "{bad", "Expecting property name"),
+                                  ("list.json", "[]", "annotation file format <class 'list'> not supported"),
+                                  ("no_id.json", json.dumps({"images": [{"file_name": "a.jpg"}]}), "no 'id' key")):
+        (tmp_path / name).write_text(content)
+        with pytest.raises(ConfigError, match=re.escape(f"--eval_file: {tmp_path / name} is not a COCO annotation "
+                                                        f"file: ") + f".*{re.escape(detail)}"):
+            coco_metrics.load_annotations(str(tmp_path / name))
+    with pytest.raises(ConfigError, match=re.escape(f"--eval_file: {tmp_path / 'none.json'} cannot be read: ")):
+        coco_metrics.load_annotations(str(tmp_path / "none.json"))
+
+
+def test_records_and_annotations_of_other_sizes_under_the_same_ids_are_named():
+    coco_gt = ground_truth()  # its own: an entry loses its size below
+    sizes = {i: (image["height"], image["width"]) for i, image in coco_gt.imgs.items()}
+    coco_metrics.check_image_sizes(coco_gt, sizes)
+    first = min(sizes)
+    height, width = sizes[first]
+    with pytest.raises(ValueError, match=re.escape(f"image id {first} is {height + 1}x{width} (height x width) in "
+                                                   f"the records but {height}x{width} in the annotations")):
+        coco_metrics.check_image_sizes(coco_gt, {**sizes, first: (height + 1, width)})
+    del coco_gt.imgs[first]["height"]  # an entry without a size is not checked
+    coco_metrics.check_image_sizes(coco_gt, {**sizes, first: (height + 1, width)})
+
+
 @pytest.mark.slow
 def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
     model_dir = tmp_path / "model"
@@ -295,6 +322,18 @@ def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
     assert {d["image_id"] for d in detections} <= set(val_ids[:3])  # files are read in order
     assert all(isinstance(d["segmentation"]["counts"], str) for d in detections)
     assert not [name for name in os.listdir(model_dir) if ".tmp" in name]
+
+    # Annotations of other images under the same ids (here: one image's size changed) are refused, naming it.
+    with open(shapes_records["val_json"]) as f:
+        other = json.load(f)
+    first = min(other["images"], key=lambda image: image["id"])
+    first["height"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main.main(["eval", "--model_dir", str(model_dir), "--data_dir", shapes_records["data_dir"],
+                      "--eval_file", str(tmp_path / "other.json"), "--eval_samples", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "[eval] error: the validation TFRecords do not match eval.eval_file" in err
+    assert f"image id {first['id']} is {first['height'] - 1}x{first['width']} (height x width)" in err
 
 
 def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_records, capsys):

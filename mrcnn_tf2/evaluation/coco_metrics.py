@@ -20,6 +20,7 @@ import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.ops.masks import encode_pasted_masks
 
 # The 12 statistics of COCOeval.summarize(), in its order.
@@ -119,9 +120,29 @@ def warn_dropped(dropped, category_ids):
 
 
 def load_annotations(path):
-    """The pycocotools COCO object of an annotation JSON file, loaded without pycocotools' console chatter."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        return COCO(path)
+    """The pycocotools COCO object of the annotation JSON file `path` (--eval_file), loaded without
+    pycocotools' console chatter. Raises ConfigError naming --eval_file and `path` when the file cannot be read,
+    is not JSON, or is not a COCO annotation object (one whose images, annotations and categories have ids)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return COCO(path)
+    except OSError as err:
+        raise ConfigError("--eval_file", f"{path} cannot be read: {err.strerror or err}") from None
+    except (ValueError, AssertionError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError: a ValueError
+        detail = f"no {err} key in an entry" if isinstance(err, KeyError) else str(err) or type(err).__name__
+        raise ConfigError("--eval_file", f"{path} is not a COCO annotation file: {detail}") from None
+
+
+def check_image_sizes(coco_gt, sizes):
+    """Raises ValueError naming the first image whose size in `sizes` ({image id: (height, width)}, the
+    records') is not its size in `coco_gt` (an entry without height and width is not checked): the records
+    and the annotations are then of different images under the same ids, and every AP would be wrong."""
+    for image_id, size in sorted(sizes.items()):
+        entry = coco_gt.imgs.get(image_id, {})
+        annotated = (entry.get("height"), entry.get("width"))
+        if None not in annotated and tuple(annotated) != tuple(size):
+            raise ValueError(f"image id {image_id} is {size[0]}x{size[1]} (height x width) in the records but "
+                             f"{annotated[0]}x{annotated[1]} in the annotations")
 
 
 def evaluate(coco_gt, results, image_ids, iou_types=IOU_TYPES):

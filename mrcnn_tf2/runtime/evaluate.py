@@ -20,6 +20,7 @@ import time
 import warnings
 
 from mrcnn_tf2 import files, status
+from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.pipeline import InputPipeline
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import choose_ops
@@ -42,7 +43,23 @@ class Evaluation:
     time_s: dict  # seconds spent: input (reading batches), model, pasting (masks + RLE), cocoeval
 
 
-def run_evaluation(backend, config, max_images=None, coco_gt=None, world=SINGLE_PROCESS):
+def annotations_of(eval_file, world=SINGLE_PROCESS):
+    """The ground truth of `eval_file` (`coco_metrics.load_annotations`) on rank 0, None on the other ranks: rank
+    0 alone reads it (the other machines need not have it). Raises ConfigError on every rank when rank 0 cannot
+    read it, so that no rank waits for one that stopped."""
+    coco_gt, problem = None, None
+    if world.is_chief:
+        try:
+            coco_gt = coco_metrics.load_annotations(eval_file)
+        except ConfigError as err:
+            problem = (err.key, err.message)
+    problem = world.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(*problem)
+    return coco_gt
+
+
+def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCESS):
     """Predicts over the validation images and scores the detections with COCOeval.
 
     Under a launcher every rank calls it: each predicts and encodes its share of the images (every
@@ -52,25 +69,21 @@ def run_evaluation(backend, config, max_images=None, coco_gt=None, world=SINGLE_
       backend: what predicts (`predictor.ModelBackend` of a model, or `predictor.ExportedBackend`), and its COCO
         RLE mask encoder.
       config: the run's Config (data.validation pattern, eval.eval_batch_size, eval.eval_file, model...).
+      coco_gt: on rank 0 the ground truth as a pycocotools COCO object (`annotations_of`), None on the others.
       max_images: evaluate at most this many images (in file order); None: eval.eval_samples, and all
         images when that is None too.
-      coco_gt: the ground truth as a pycocotools COCO object; None loads eval.eval_file. Read on rank 0 only.
       world: the process world (runtime.distributed.World).
 
     Returns:
       an `Evaluation` on rank 0 (its results sorted by image id); None on the other ranks.
 
     Raises:
-      ValueError: max_images < 1, eval.eval_file unset, no validation image, or image ids that the
-        annotation file lacks.
+      ValueError: max_images < 1, no validation image, or validation images that the annotation file lacks
+        or gives another size.
     """
     max_images = config.eval.eval_samples if max_images is None else max_images
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}.")
-    if world.is_chief and coco_gt is None:
-        if not config.eval.eval_file:
-            raise ValueError("eval.eval_file is not set: pass --eval_file with the validation annotation JSON.")
-        coco_gt = coco_metrics.load_annotations(config.eval.eval_file)
     category_ids = world.broadcast_object(coco_gt.getCatIds() if world.is_chief else None)
     batch_size = config.eval.eval_batch_size
     pattern = config.data.resolved_validation_pattern()
@@ -80,7 +93,7 @@ def run_evaluation(backend, config, max_images=None, coco_gt=None, world=SINGLE_
     dataset = InputPipeline(config, training=False).dataset(pattern, 1 if own_size else batch_size, world.rank,
                                                             world.size, max_images)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
-    results, image_ids, dropped = [], [], 0
+    results, image_ids, dropped, sizes = [], [], 0, {}
     batches = iter(dataset)
     if own_size:
         batches = map(concat_batches, same_shape_batches(batches, batch_size, lambda b: tuple(b["images"].shape)))
@@ -99,10 +112,13 @@ def run_evaluation(backend, config, max_images=None, coco_gt=None, world=SINGLE_
         results += batch_results
         dropped += batch_dropped
         image_ids += outputs["source_ids"].tolist()
+        # image_info [B, 5] holds each image's own height and width at 3:5.
+        sizes.update(zip(outputs["source_ids"].tolist(), outputs["image_info"][:, 3:5].astype(int).tolist()))
     if world.size > 1:
-        shares = world.allgather_object((results, image_ids, dropped))
+        shares = world.allgather_object((results, image_ids, dropped, sizes))
         results, image_ids, dropped = ([r for share in shares for r in share[0]],
                                        [i for share in shares for i in share[1]], sum(share[2] for share in shares))
+        sizes = {i: size for share in shares for i, size in share[3].items()}
     if not image_ids:
         raise ValueError(f"no validation image in {pattern}.")
     if not world.is_chief:
@@ -114,6 +130,7 @@ def run_evaluation(backend, config, max_images=None, coco_gt=None, world=SINGLE_
     tic = time.perf_counter()
     iou_types = coco_metrics.IOU_TYPES if config.model.include_mask else ("bbox",)
     try:
+        coco_metrics.check_image_sizes(coco_gt, sizes)
         metrics = coco_metrics.evaluate(coco_gt, results, image_ids, iou_types)
     except ValueError as err:
         raise ValueError(f"the validation TFRecords do not match eval.eval_file {config.eval.eval_file}: {err}") \
@@ -155,8 +172,8 @@ class TrainingEvaluator:
         every = config.eval.resolved_eval_every_epochs()
         self.interval = None if every is None else every * steps_per_epoch
         self.steps_per_epoch = steps_per_epoch
-        # Read once, by rank 0 alone (the other machines need not have it): evaluations reuse it.
-        self.coco_gt = coco_metrics.load_annotations(config.eval.eval_file) if world.is_chief else None
+        # Read once, before the first step: evaluations reuse it.
+        self.coco_gt = annotations_of(config.eval.eval_file, world)
 
     @classmethod
     def from_config(cls, config, steps_per_epoch, world=SINGLE_PROCESS):
@@ -210,15 +227,13 @@ def run(config, world=SINGLE_PROCESS):
     eval_file = config.eval.eval_file
     if not eval_file:
         return _fail("--eval_file is required: the COCO annotation JSON of the validation images.", world)
-    if world.is_chief and not os.path.isfile(eval_file):
-        return _fail(f"--eval_file {eval_file} does not exist.", world)
     total = time.perf_counter()
     try:
+        coco_gt = annotations_of(eval_file, world)
         backend = open_backend(config, world)
-    except ValueError as err:
+    except ValueError as err:  # ConfigError included
         return _fail(str(err), world)
     loaded = backend.loaded  # None for an exported artefact
-    coco_gt = coco_metrics.load_annotations(eval_file) if world.is_chief else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a dropped-detections warning must show on every run
