@@ -322,6 +322,23 @@ def test_a_class_label_outside_num_classes_stops_the_input_naming_the_record_and
     assert bad_label_message(tf.errors.InvalidArgumentError(None, None, "another error")) is None
 
 
+def test_a_record_of_more_objects_than_max_num_instances_is_named_once(records, capsys):
+    train, _, _ = records
+    config = make_config()
+    config.data.max_num_instances = 2
+    counts = {int(sid): int(np.sum(~example["gt_is_crowd"])) for sid, example in originals(train).items()}
+    over = {sid: count for sid, count in counts.items() if count > 2}
+    assert over and len(over) < len(counts)
+    twice = tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(train))).repeat(2).enumerate()
+    for _ in twice.map(training_pipeline(config).preprocess_train):  # in tf.data's graph, as in training
+        pass
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[data] warning")]
+    assert sorted(warned) == sorted(
+        f"[data] warning: training record with source_id {sid} holds {count} objects, more than "
+        f"data.max_num_instances (2): the last {count - 2} are left out of its targets, where they count as "
+        f"background (--config_override data.max_num_instances={count} keeps them)" for sid, count in over.items())
+
+
 def test_input_pipeline_with_fused_anchor_targets_equals_twin(records):
     batches = []
     for mode in ("on", "off"):

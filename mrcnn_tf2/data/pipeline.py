@@ -22,6 +22,7 @@ FPN level l, A anchors per cell.
 
 import functools
 import re
+import sys
 
 import tensorflow as tf
 
@@ -199,6 +200,7 @@ class InputPipeline:
         self.rpn_targets = rpn_targets
         self.anchors = anchors
         self.preprocessor = Preprocessor(config.data)
+        self.overflowed = set()  # source ids of the records `_noted_overflow` warned of
 
     def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1, max_records=None):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
@@ -267,6 +269,29 @@ class InputPipeline:
         with tf.control_dependencies([check]):
             return tf.identity(classes)
 
+    def _noted_overflow(self, classes, source_id):
+        """classes [K] int32, after a warning on stderr, once per record and process, when K is more than
+        data.max_num_instances: `pad_instances` keeps the first M, and the objects left out would otherwise
+        turn into background for the anchors on them without a word."""
+        count = tf.size(classes)
+        noted = tf.cond(count > self.data.max_num_instances,
+                        lambda: tf.py_function(self._warn_overflow, [source_id, count], tf.bool),
+                        lambda: tf.constant(False))
+        with tf.control_dependencies([noted]):
+            return tf.identity(classes)
+
+    def _warn_overflow(self, source_id, count):
+        """`_noted_overflow`'s warning for scalar tensors `source_id` and `count`; returns True."""
+        source_id, count = int(source_id), int(count)
+        if source_id not in self.overflowed:
+            self.overflowed.add(source_id)
+            capacity = self.data.max_num_instances
+            print(f"[data] warning: training record with source_id {source_id} holds {count} objects, more than "
+                  f"data.max_num_instances ({capacity}): the last {count - capacity} are left out of its targets, "
+                  f"where they count as background (--config_override data.max_num_instances={count} keeps them)",
+                  file=sys.stderr, flush=True)
+        return True
+
     def preprocess_train(self, index, serialized):
         """One training example.
 
@@ -286,7 +311,7 @@ class InputPipeline:
         boxes, classes = tf.boolean_mask(boxes, keep), tf.boolean_mask(classes, keep)
         if not data.use_category:
             classes = tf.ones_like(classes)
-        classes = self._checked_labels(classes, example["source_id"])
+        classes = self._noted_overflow(self._checked_labels(classes, example["source_id"]), example["source_id"])
         # The mask crops, when the model has a mask branch, travel with the boxes through the flip.
         parts = (image, boxes)
         if include_mask:
