@@ -16,8 +16,8 @@ import os
 
 from mrcnn_tf2 import presets
 from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, EXPORT_FORMATS, MODEL_DEFINING_KEYS,
-                              PER_COMMAND_KEYS, PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, Config, ConfigError,
-                              field_paths, load_saved_config)
+                              PER_COMMAND_KEYS, PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, SAVED_MODEL_FILE, Config,
+                              ConfigError, field_paths, load_saved_config)
 from mrcnn_tf2.status import BAD_INPUT
 
 MODES = ("train", "eval", "infer", "export")
@@ -366,7 +366,7 @@ def config_for_path(path):
     if path is None:
         raise ConfigError("path", "name a model directory or an exported artefact")
     path = os.fspath(path)
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "saved_model.pb")):
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, SAVED_MODEL_FILE)):
         argv = ["infer", "--model_dir", path]
     else:
         argv = ["infer", "--exported", path]

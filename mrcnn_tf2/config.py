@@ -25,6 +25,8 @@ from mrcnn_tf2 import files
 # The file in model_dir that holds a training run's resolved config; eval, infer, export and a resumed
 # train start from it.
 SAVED_CONFIG_FILE = "config.json"
+# The file of a SavedModel directory (an export directory holds one).
+SAVED_MODEL_FILE = "saved_model.pb"
 
 
 class ConfigError(ValueError):

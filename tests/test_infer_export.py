@@ -22,6 +22,7 @@ from PIL import Image
 
 import main
 from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data import coco_io
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import visualize
@@ -426,6 +427,31 @@ def test_saved_model_cli_runs_the_serving_signature(tmp_path, exported, in_proce
                              "--outdir", str(tmp_path / "cli")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_detections({key: np.load(tmp_path / "cli" / f"{key}.npy") for key in OUTPUT_KEYS}, in_process)
+
+
+def test_export_replaces_only_an_earlier_export_and_refuses_any_other_directory(model_dir, exported, tmp_path,
+                                                                                  capsys):
+    export.check_export_dir(str(tmp_path / "new"))  # new, empty, or an earlier export: taken
+    (tmp_path / "empty").mkdir()
+    export.check_export_dir(str(tmp_path / "empty"))
+    export.check_export_dir(exported)
+    # The model directory itself, a folder holding it, or a file: refused before the model loads, nothing lost
+    # (a copy of the model directory, so that a regression deletes nothing that other tests read).
+    runs = tmp_path / "runs"
+    shutil.copytree(model_dir, runs / "model")
+    model = str(runs / "model")
+    (tmp_path / "notes.txt").write_text("mine")
+    before = sorted(os.listdir(model))
+    for target, problem in ((model, "exists and is not an earlier export"),
+                            (str(runs), "exists and is not an earlier export"),
+                            (str(tmp_path / "notes.txt"), "is a file, not a directory")):
+        assert export.run(config_for("export", "--model_dir", model, "--export_dir", target)) == 2
+        assert f"[export] error: --export_dir: {target} {problem}" in capsys.readouterr().err
+    assert sorted(os.listdir(model)) == before and (tmp_path / "notes.txt").read_text() == "mine"
+    # An export's artefacts without its config.json are not taken for an export.
+    shutil.copytree(exported, tmp_path / "artefacts", ignore=shutil.ignore_patterns("config.json"))
+    with pytest.raises(ConfigError, match="is not an earlier export"):
+        export.check_export_dir(str(tmp_path / "artefacts"))
 
 
 def test_export_without_a_checkpoint_exits_2_and_writes_nothing(tmp_path, capsys):

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data import preprocess
-from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.config import SAVED_CONFIG_FILE, SAVED_MODEL_FILE, ConfigError
 from mrcnn_tf2.runtime import deploy, infer, predictor
 from mrcnn_tf2.runtime.predictor import LABEL_MAP_FILE, load_model
 
@@ -144,9 +144,28 @@ def calibration_inputs(config):
     return inputs
 
 
+def check_export_dir(export_dir):
+    """Raises ConfigError naming --export_dir when `export_dir` exists and is not a directory an export may
+    replace. An export replaces its directory whole, so it takes only a new or empty directory or an earlier
+    export (config.json beside an artefact, and no training checkpoint, ckpt-N.index): a model directory, a folder of runs or
+    any other directory would be deleted with everything in it."""
+    if not os.path.lexists(export_dir):
+        return
+    if not os.path.isdir(export_dir):
+        raise ConfigError("--export_dir", f"{export_dir} is a file, not a directory")
+    entries = os.listdir(export_dir)
+    artefacts = [SAVED_MODEL_FILE] + [name for name, _, _ in deploy.ARTEFACTS.values()]
+    earlier_export = (SAVED_CONFIG_FILE in entries and not any(name.endswith(".index") for name in entries)
+                      and any(os.path.isfile(os.path.join(export_dir, name)) for name in artefacts))
+    if entries and not earlier_export:
+        raise ConfigError("--export_dir", f"{export_dir} exists and is not an earlier export; an export replaces "
+                                          "its directory with everything in it: name a new or empty directory")
+
+
 def export(config, model, export_dir, calibration=None):
     """Writes the artefacts of config.export.formats, the run's config.json and the model directory's class names
-    (if any) into `export_dir` (replaced when it exists), atomically: a failed conversion leaves nothing.
+    (if any) into `export_dir` (an earlier export there is replaced: `check_export_dir`), atomically: a failed
+    conversion leaves nothing.
 
     Args:
       config: the run's Config.
@@ -154,6 +173,7 @@ def export(config, model, export_dir, calibration=None):
       export_dir: the directory.
       calibration: `calibration_inputs(config)`, for openvino_int8.
     """
+    check_export_dir(export_dir)
     formats = config.export.formats
     preprocessor = preprocess.Preprocessor(config.data)
     with files.atomic_path(os.path.abspath(export_dir)) as temporary:
@@ -182,12 +202,13 @@ def run(config):
                                        "the precision themselves): export them without --amp")
         for fmt in others:
             deploy.require_extra(fmt)
+        export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
+        check_export_dir(export_dir)
         loaded = load_model(config, export=True)
         calibration = calibration_inputs(config) if "openvino_int8" in config.export.formats else None
     except ValueError as err:
         print(f"[export] error: {err}", file=sys.stderr)
         return status.BAD_INPUT
-    export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
     os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
     export(config, loaded.model, export_dir, calibration)
     written = [("SavedModel (signatures " + ", ".join(SIGNATURES) + ")") if fmt == "saved_model"

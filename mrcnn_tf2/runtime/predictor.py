@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image, ImageOps
 
-from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.config import SAVED_MODEL_FILE, ConfigError
 from mrcnn_tf2.data.coco_io import to_rgb
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
@@ -351,7 +351,7 @@ class ExportedBackend:
         """config: the run's Config (eval.eval_batch_size, model.test.mask_paste); path: an artefact file, or an
         export directory for its SavedModel. Raises ConfigError naming --exported for anything else."""
         if os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, "saved_model.pb")):
+            if not os.path.isfile(os.path.join(path, SAVED_MODEL_FILE)):
                 artefacts = ", ".join(name for name, _, _ in deploy.ARTEFACTS.values())
                 raise ConfigError("--exported", f"{path}: a directory without a SavedModel (saved_model.pb); name "
                                                 f"an artefact file in it ({artefacts})")
