@@ -147,8 +147,8 @@ def calibration_inputs(config):
 def check_export_dir(export_dir):
     """Raises ConfigError naming --export_dir when `export_dir` exists and is not a directory an export may
     replace. An export replaces its directory whole, so it takes only a new or empty directory or an earlier
-    export (config.json beside an artefact, and no training checkpoint, ckpt-N.index): a model directory, a folder of runs or
-    any other directory would be deleted with everything in it."""
+    export (config.json beside an artefact, and no training checkpoint, ckpt-N.index): a model directory, a
+    folder of runs or any other directory would be deleted with everything in it."""
     if not os.path.lexists(export_dir):
         return
     if not os.path.isdir(export_dir):
