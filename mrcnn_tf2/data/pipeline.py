@@ -2,10 +2,10 @@
 
 Training: files matching the pattern -> this worker's share (`worker_records`: its own files read
 interleaved, or every N-th record when there are fewer files than N workers) -> shuffle -> decode ->
-drop crowd -> random horizontal flip (image, boxes, mask crops together) -> aspect-preserving resize
-to fit image_size, ImageNet normalisation, pad bottom/right (`preprocess.resize_normalize_pad`, as infer
-and export do) -> GT masks cropped to their boxes at gt_mask_size -> GT padded to max_num_instances
-with -1 -> RPN targets per level -> batch -> prefetch.
+drop crowd -> labels checked against num_classes, a record past max_num_instances named -> random horizontal
+flip (image, boxes, mask crops together) -> aspect-preserving resize to fit image_size, ImageNet normalisation,
+pad bottom/right (`preprocess.resize_normalize_pad`, as infer and export do) -> GT masks cropped to their boxes
+at gt_mask_size -> GT padded to max_num_instances with -1 -> RPN targets per level -> batch -> prefetch.
 Evaluation: image, image_info and source_id only.
 
 Boxes are [ymin, xmin, ymax, xmax] float32 in pixels of the resized, padded image.

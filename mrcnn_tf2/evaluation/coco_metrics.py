@@ -133,16 +133,23 @@ def load_annotations(path):
         raise ConfigError("--eval_file", f"{path} is not a COCO annotation file: {detail}") from None
 
 
-def check_image_sizes(coco_gt, sizes):
-    """Raises ValueError naming the first image whose size in `sizes` ({image id: (height, width)}, the
-    records') is not its size in `coco_gt` (an entry without height and width is not checked): the records
-    and the annotations are then of different images under the same ids, and every AP would be wrong."""
+def warn_other_sizes(coco_gt, sizes):
+    """Warns (UserWarning) when images of `sizes` ({image id: (height, width)}, the records') have another size
+    in `coco_gt` (entries without height and width are not compared): when all do, the annotation file is of
+    other images under the same ids, and every AP is scored against the wrong objects. Not an error: the
+    converter keeps an image whose JSON size is wrong (its image_size_mismatch warning)."""
+    other = []
     for image_id, size in sorted(sizes.items()):
         entry = coco_gt.imgs.get(image_id, {})
-        annotated = (entry.get("height"), entry.get("width"))
-        if None not in annotated and tuple(annotated) != tuple(size):
-            raise ValueError(f"image id {image_id} is {size[0]}x{size[1]} (height x width) in the records but "
-                             f"{annotated[0]}x{annotated[1]} in the annotations")
+        if "height" in entry and "width" in entry and (entry["height"], entry["width"]) != tuple(size):
+            other.append((image_id, tuple(size), (entry["height"], entry["width"])))
+    if other:
+        image_id, (height, width), (annotated_height, annotated_width) = other[0]
+        warnings.warn(
+            f"{len(other)} of {len(sizes)} validation images have another size in the annotation file than in the "
+            f"records (image id {image_id} is {height}x{width}, height x width, in the records and "
+            f"{annotated_height}x{annotated_width} in the annotations): if all do, --eval_file is the annotation "
+            "file of other images", stacklevel=3)
 
 
 def evaluate(coco_gt, results, image_ids, iou_types=IOU_TYPES):

@@ -78,8 +78,7 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
       an `Evaluation` on rank 0 (its results sorted by image id); None on the other ranks.
 
     Raises:
-      ValueError: max_images < 1, no validation image, or validation images that the annotation file lacks
-        or gives another size.
+      ValueError: max_images < 1, no validation image, or validation images that the annotation file lacks.
     """
     max_images = config.eval.eval_samples if max_images is None else max_images
     if max_images is not None and max_images < 1:
@@ -127,10 +126,10 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
     # evaluated and however the images were batched.
     results.sort(key=lambda result: result["image_id"])
     coco_metrics.warn_dropped(dropped, category_ids)
+    coco_metrics.warn_other_sizes(coco_gt, sizes)
     tic = time.perf_counter()
     iou_types = coco_metrics.IOU_TYPES if config.model.include_mask else ("bbox",)
     try:
-        coco_metrics.check_image_sizes(coco_gt, sizes)
         metrics = coco_metrics.evaluate(coco_gt, results, image_ids, iou_types)
     except ValueError as err:
         raise ValueError(f"the validation TFRecords do not match eval.eval_file {config.eval.eval_file}: {err}") \

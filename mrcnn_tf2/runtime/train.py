@@ -310,9 +310,11 @@ class Trainer:
             if found is None:
                 raise
             num_classes = self.config.model.num_classes
-            raise ConfigError("--num_classes", f"{num_classes}, but a {found}: the labels must be 1 to "
-                              f"{num_classes - 1} (0 is the background); --num_classes is the largest category id "
-                              "plus one") from None
+            problem = ConfigError("--num_classes", f"{num_classes}, but a {found}: the labels must be 1 to "
+                                  f"{num_classes - 1} (0 is the background); --num_classes is the largest category "
+                                  "id plus one")
+            logger.event("stopped", reason=str(problem))
+            raise problem from None
         finally:
             logger.close()
 
