@@ -366,6 +366,8 @@ def config_for_path(path):
     if path is None:
         raise ConfigError("path", "name a model directory or an exported artefact")
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ConfigError("path", f"{path}: no such file or directory")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, SAVED_MODEL_FILE)):
         argv = ["infer", "--model_dir", path]
     else:

@@ -586,3 +586,13 @@ def test_the_start_up_line_names_the_precision_policy(policy, amp, loss_scaled, 
     from mrcnn_tf2.runtime.precision import describe_precision  # imports Keras: here, not at the top
 
     assert describe_precision(policy, amp, loss_scaled) == line
+
+
+def test_the_predictor_path_is_a_model_directory_an_artefact_or_an_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="name a model directory or an exported artefact"):
+        arguments.config_for_path(None)
+    with pytest.raises(ConfigError, match=f"^path: {tmp_path / 'none'}: no such file or directory$"):
+        arguments.config_for_path(tmp_path / "none")
+    assert arguments.config_for_path(tmp_path).runtime.model_dir == str(tmp_path)  # a directory: a model directory
+    (tmp_path / "model.onnx").write_text("x")
+    assert arguments.config_for_path(tmp_path / "model.onnx").infer.exported == str(tmp_path / "model.onnx")
