@@ -1,14 +1,17 @@
 """The tf.data input pipeline on converter output: shapes, padding, image_info, flips, RPN targets, order,
 each worker's share of the records."""
 
+import io
 import os
 import shutil
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from PIL import Image
 
 from mrcnn_tf2.config import Config
+from mrcnn_tf2.data import coco_io
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import (InputPipeline, bad_label_message, crop_instance_masks, flip_horizontally,
                                      notice_record_sharding, worker_records)
@@ -233,6 +236,21 @@ def test_resize_normalize_pad_keeps_aspect_and_normalises():
                                                                         / np.array([58.395, 57.12, 57.375]),
                                                                         (128, 64, 3)), rtol=1e-5)
     assert not padded[:, 64:].numpy().any()
+
+
+def test_decoded_gray_alpha_and_16_bit_pngs_hold_the_pixels_that_pil_images_made_rgb_hold(rng):
+    """The SavedModel's serving_bytes (and records of PNGs) decode in the graph; photos and the converter read
+    with PIL (`coco_io.to_rgb`): the same file must give the same pixels, exactly."""
+    alpha = np.tile(np.arange(256, dtype=np.uint8), (64, 1))[:, :, None]  # every level of alpha, 0 to 255
+    rgb = rng.integers(0, 256, (64, 256, 3), dtype=np.uint8)
+    deep = rng.integers(0, 65536, (64, 256, 4), dtype=np.uint16)
+    for name, pixels in (("RGBA", np.concatenate([rgb, alpha], -1)), ("gray and alpha", np.concatenate(
+            [rgb[..., :1], alpha], -1)), ("16-bit gray", deep[..., :1]), ("16-bit RGBA", deep),
+            ("RGB", rgb), ("gray", rgb[..., :1])):
+        png = tf.io.encode_png(pixels).numpy()
+        with Image.open(io.BytesIO(png)) as opened:
+            expected = np.asarray(coco_io.to_rgb(opened))
+        np.testing.assert_array_equal(decode_image(tf.constant(png)).numpy(), expected, err_msg=name)
 
 
 def test_preprocessing_of_decoded_bytes_equals_the_pixels_and_the_mean_colour_normalises_to_zero(rng):

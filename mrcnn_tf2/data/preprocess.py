@@ -4,7 +4,8 @@ The input pipeline (training and evaluation), `main.py infer` and the exported S
 ask the run's `Preprocessor` (which calls these functions), so that a picture gives the same model input,
 hence the same detections, whichever way it comes in. Each step is also a function of its own:
 
-  decode_image   encoded JPEG / PNG / BMP / GIF bytes -> [h, w, 3] uint8 RGB (JPEG optionally as PIL does)
+  decode_image   encoded JPEG / PNG / BMP / GIF bytes -> [h, w, 3] uint8 RGB (JPEG optionally as PIL does;
+                 gray and alpha made RGB as `coco_io.to_rgb` makes them: `flatten`)
   resize         [h, w, 3] -> [h', w', 3] float32, the largest aspect-preserving size that fits (H, W), or
                  torchvision's Mask R-CNN rule (shorter side to min_size, longer side at most max_size)
   normalize      ImageNet mean and standard deviation (0..255 scale), per RGB channel
@@ -18,6 +19,7 @@ Glossary: h x w the image's size, H x W = image_size (the model's input size).
 
 import tensorflow as tf
 
+from mrcnn_tf2.data.coco_io import TRANSPARENT_FILL
 # The normalisation the ImageNet-pretrained backbone expects (that module checks converted checkpoints too).
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
 
@@ -25,7 +27,8 @@ from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
 def decode_image(encoded, dct_method=""):
     """Encoded image bytes (scalar tf.string: JPEG, PNG, BMP or GIF, first frame) -> [h, w, 3] uint8 RGB.
 
-    Grayscale becomes RGB and alpha is dropped; EXIF orientation is ignored.
+    Grayscale becomes RGB (16-bit its high byte) and alpha is composited over coco_io.TRANSPARENT_FILL
+    (`flatten`), as `coco_io.to_rgb` makes PIL images RGB; EXIF orientation is ignored.
 
     Args:
       encoded: scalar tf.string.
@@ -39,7 +42,7 @@ def decode_image(encoded, dct_method=""):
         raise ValueError(f"dct_method must be one of {methods}, got {dct_method!r}.")
 
     def decode_any():
-        return tf.io.decode_image(encoded, channels=3, dtype=tf.uint8, expand_animations=False)
+        return flatten(tf.io.decode_image(encoded, channels=0, dtype=tf.uint8, expand_animations=False))
 
     if not dct_method:
         return decode_any()
@@ -47,6 +50,21 @@ def decode_image(encoded, dct_method=""):
     return tf.cond(tf.io.is_jpeg(encoded),
                    lambda: tf.io.decode_jpeg(encoded, channels=3, dct_method=dct_method),
                    decode_any)
+
+
+def flatten(image):
+    """[h, w, C] uint8 of gray, gray and alpha, RGB or RGBA (C = 1 to 4) -> [h, w, 3] uint8 RGB: gray repeated,
+    alpha composited over coco_io.TRANSPARENT_FILL, rounded to the nearest level as PIL's alpha_composite over
+    an opaque colour rounds (the same pixels as `coco_io.to_rgb`'s)."""
+    channels = tf.shape(image)[-1]
+    color = tf.cond(channels < 3, lambda: tf.tile(image[..., :1], [1, 1, 3]), lambda: image[..., :3])
+
+    def composited():
+        alpha = tf.cast(image[..., -1:], tf.int32)
+        mixed = tf.cast(color, tf.int32) * alpha + tf.constant(TRANSPARENT_FILL, tf.int32) * (255 - alpha)
+        return tf.cast((mixed + 127) // 255, tf.uint8)
+
+    return tf.ensure_shape(tf.cond(channels % 2 == 0, composited, lambda: color), [None, None, 3])
 
 
 def resize(image, image_size, min_size=None, max_size=1333):

@@ -5,7 +5,8 @@ config.json (and label_map.json when the model directory has one).
 The SavedModel's signatures (a batch of B images per call, any B >= 1):
   serving_default(images: uint8 [B, H, W, 3])   RGB images of any one size H x W per call
   serving_bytes(image_bytes: string [B])        encoded JPEG / PNG / BMP / GIF (first frame), any sizes;
-                                                grayscale becomes RGB, alpha is dropped, EXIF is ignored;
+                                                gray and alpha made RGB as `main.py infer` makes them
+                                                (`preprocess.flatten`), EXIF is ignored;
                                                 with data.pad_to_multiple each image is run alone, padded
                                                 to its own size, so its detections do not depend on the others
   serving_preprocessed(images: float32 [B, H, W, 3], image_info: float32 [B, 5])
