@@ -331,6 +331,11 @@ def check_inputs(mode: str, config: Config) -> None:
     fails now rather than after the first epoch.
     """
     data = config.data
+    backbone = config.train.backbone_checkpoint
+    if mode == "train" and backbone and not os.path.isfile(f"{backbone}.index"):
+        raise ConfigError("--backbone_checkpoint", f"{backbone} is not a checkpoint prefix (no {backbone}.index): give "
+                          "the --output prefix of weights/convert_keras_resnet.py; a Mask R-CNN model directory or "
+                          "checkpoint goes to --init_checkpoint")
     if config.eval.eval_file and mode in ("train", "eval", "infer") and not os.path.isfile(config.eval.eval_file):
         raise ConfigError("--eval_file", f"no such file {config.eval.eval_file}")
     if mode == "infer" and config.infer.label_map and not os.path.isfile(config.infer.label_map):

@@ -12,7 +12,7 @@ import tensorflow as tf
 from mrcnn_tf2 import status
 from mrcnn_tf2.config import ConfigError, ModelConfig
 from mrcnn_tf2.model.backbone import ResNet
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, check_backbone_metadata
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, check_backbone_metadata, load_backbone_checkpoint
 from weights import convert_keras_resnet as conv
 
 SIDE = 64
@@ -67,10 +67,10 @@ def keras_outputs(model, caffe_images, names):
 
 
 def restore_like_trainer(prefix, depth=50):
-    """A fresh backbone (the trainer's freeze settings) loaded as runtime/train.py loads --backbone_checkpoint."""
+    """A fresh backbone (the trainer's freeze settings) loaded by the trainer's loader of --backbone_checkpoint."""
     backbone = ResNet(depth, stride_in_1x1=True, freeze_bn=True, freeze_blocks=(0, 1))
     backbone(tf.zeros([1, SIDE, SIDE, 3]), training=False)
-    tf.train.Checkpoint(backbone=backbone).read(prefix).assert_existing_objects_matched().expect_partial()
+    load_backbone_checkpoint(backbone, prefix, f"resnet{depth}")
     return backbone
 
 
@@ -208,3 +208,21 @@ def test_check_backbone_metadata_names_the_mismatched_setting(tmp_path):
         f.write("{not json")
     with pytest.raises(ValueError, match="resnet50.json: unreadable"):
         check_backbone_metadata(prefix, ModelConfig())
+
+
+def test_a_backbone_checkpoint_that_is_no_prefix_or_holds_another_model_is_named(tmp_path):
+    """A model directory or a missing prefix is refused before anything starts (`check_inputs`); a checkpoint
+    without this backbone's weights (another model's, here a lone variable's) when it is read."""
+    from mrcnn_tf2.arguments import check_inputs, parse
+
+    for path in (str(tmp_path), str(tmp_path / "none")):
+        config = parse(["train", "--data_dir", str(tmp_path), "--backbone_checkpoint", path])[1]
+        with pytest.raises(ConfigError, match=f"^--backbone_checkpoint: {path} is not a checkpoint prefix "
+                                              f"\\(no {path}.index\\)"):
+            check_inputs("train", config)
+    prefix = tf.train.Checkpoint(other=tf.Variable(1.0)).write(str(tmp_path / "other"))
+    backbone = ResNet(18)
+    backbone(tf.zeros([1, SIDE, SIDE, 3]), training=False)
+    with pytest.raises(ConfigError, match=f"^--backbone_checkpoint: {prefix} holds no weights of this model's "
+                                          "resnet18 \\(a Mask R-CNN checkpoint goes to --init_checkpoint\\)$"):
+        load_backbone_checkpoint(backbone, prefix, "resnet18")

@@ -69,3 +69,19 @@ def check_backbone_metadata(checkpoint_prefix, model_config):
             raise ValueError(f"{path}: the backbone was converted for {key} {metadata[key]}, the input pipeline "
                              f"uses {list(values)}; convert it again")
     return metadata
+
+
+def load_backbone_checkpoint(backbone, checkpoint_prefix, name):
+    """Reads the converted backbone checkpoint at `checkpoint_prefix` (weights/convert_keras_resnet.py's) into
+    the built `backbone` (a model.backbone.ResNet, `name` its --backbone), every one of its variables.
+
+    Raises ConfigError('--backbone_checkpoint') when the checkpoint holds no value for some of them: another
+    depth, or a whole Mask R-CNN checkpoint (whose backbone sits under model/, for --init_checkpoint).
+    """
+    loaded = tf.train.Checkpoint(backbone=backbone).read(checkpoint_prefix)
+    loaded.expect_partial()  # a converted backbone holds the classifier's head too
+    try:
+        loaded.assert_existing_objects_matched()
+    except AssertionError:
+        raise ConfigError("--backbone_checkpoint", f"{checkpoint_prefix} holds no weights of this model's {name} "
+                                                   "(a Mask R-CNN checkpoint goes to --init_checkpoint)") from None

@@ -32,7 +32,7 @@ from mrcnn_tf2 import status
 from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.pipeline import InputPipeline, bad_label_message
 from mrcnn_tf2.model.factory import build_model, choose_ops
-from mrcnn_tf2.model.pretrained import check_backbone_metadata
+from mrcnn_tf2.model.pretrained import check_backbone_metadata, load_backbone_checkpoint
 from mrcnn_tf2.runtime import model_dir_lock
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
@@ -260,8 +260,7 @@ class Trainer:
         elif train.backbone_checkpoint:
             # Only a new run loads pretrained weights: a resumed one has trained past them.
             check_backbone_metadata(train.backbone_checkpoint, self.config.model)
-            tf.train.Checkpoint(backbone=self.model.backbone).read(
-                train.backbone_checkpoint).assert_existing_objects_matched().expect_partial()
+            load_backbone_checkpoint(self.model.backbone, train.backbone_checkpoint, self.config.model.backbone)
             logger.event("backbone loaded", checkpoint=train.backbone_checkpoint)
 
     def _load_init_checkpoint(self, logger):
