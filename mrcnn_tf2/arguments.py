@@ -325,12 +325,19 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def check_inputs(mode: str, config: Config) -> None:
-    """Raises ConfigError when files `mode` reads are missing (checked before any work starts).
+    """Raises ConfigError when files `mode` reads are missing, or a directory it writes is a file (checked before
+    any work starts).
 
     Training checks the validation TFRecords too when it evaluates (--eval_file), so that a wrong path
     fails now rather than after the first epoch.
     """
     data = config.data
+    written = [("--model_dir", config.runtime.model_dir)]
+    if mode == "infer":
+        written.append(("--output_dir", config.infer.resolved_output_dir(config.runtime.model_dir)))
+    for flag, directory in written:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ConfigError(flag, f"{directory} is a file, not a directory")
     backbone = config.train.backbone_checkpoint
     if mode == "train" and backbone and not os.path.isfile(f"{backbone}.index"):
         raise ConfigError("--backbone_checkpoint", f"{backbone} is not a checkpoint prefix (no {backbone}.index): give "

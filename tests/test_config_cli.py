@@ -596,3 +596,13 @@ def test_the_predictor_path_is_a_model_directory_an_artefact_or_an_error_naming_
     assert arguments.config_for_path(tmp_path).runtime.model_dir == str(tmp_path)  # a directory: a model directory
     (tmp_path / "model.onnx").write_text("x")
     assert arguments.config_for_path(tmp_path / "model.onnx").infer.exported == str(tmp_path / "model.onnx")
+
+
+@pytest.mark.parametrize("mode, flag", [("train", "--model_dir"), ("eval", "--model_dir"), ("infer", "--output_dir")])
+def test_a_file_where_a_run_writes_its_directory_is_named_before_anything_starts(tmp_path, mode, flag):
+    (tmp_path / "file").write_text("mine")
+    argv = [mode, "--model_dir", str(tmp_path / ("file" if flag == "--model_dir" else "run"))]
+    if flag == "--output_dir":
+        argv += ["--output_dir", str(tmp_path / "file"), "--input", str(tmp_path)]
+    with pytest.raises(ConfigError, match=f"^{flag}: {tmp_path / 'file'} is a file, not a directory$"):
+        arguments.check_inputs(mode, arguments.parse(argv)[1])
