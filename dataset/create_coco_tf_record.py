@@ -604,7 +604,10 @@ def convert_coco(
         raise BadInputError(f"num_workers must be >= 1, got {num_workers}")
     dataset = load_annotations(annotations_file)
     if not os.path.isdir(image_dir):
-        raise BadInputError(f"{image_dir}: the image directory does not exist")
+        raise BadInputError(f"{image_dir}: the image directory "
+                            f"{'is a file' if os.path.exists(image_dir) else 'does not exist'}")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise BadInputError(f"{output_dir}: the output directory is a file")
     if num_shards is None:
         num_shards = default_num_shards(tag, len(dataset["images"]))
 

@@ -354,11 +354,16 @@ def test_bad_annotation_file_stops_with_exit_2_and_writes_nothing(tmp_path, caps
     assert os.listdir(output_dir) == []
 
 
-def test_missing_image_dir_is_an_error(tmp_path):
+def test_a_missing_image_dir_or_a_file_for_a_directory_is_an_error(tmp_path):
     annotations_file = write_json(tmp_path / "instances_val.json", VALID)
-    with pytest.raises(converter.BadInputError, match="image directory"):
+    with pytest.raises(converter.BadInputError, match="nowhere: the image directory does not exist"):
         converter.convert_coco(str(tmp_path / "nowhere"), annotations_file, str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
+    with pytest.raises(converter.BadInputError, match="instances_val.json: the image directory is a file"):
+        converter.convert_coco(annotations_file, annotations_file, str(tmp_path / "out"), progress=False)
+    (tmp_path / "images").mkdir()
+    with pytest.raises(converter.BadInputError, match="instances_val.json: the output directory is a file"):
+        converter.convert_coco(str(tmp_path / "images"), annotations_file, annotations_file, progress=False)
 
 
 def test_a_conversion_that_writes_no_image_exits_2_naming_the_first_missing_file(tmp_path, capsys):
