@@ -490,6 +490,8 @@ def make_shapes_dataset(
         raise ValueError(f"image sides must be >= {MIN_IMAGE_SIDE} px, got {sides}")
     if image_size is None and min_size > max_size:
         raise ValueError(f"min_size ({min_size}) must not exceed max_size ({max_size})")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output_dir {output_dir} is a file, not a directory")
     counts = {"train": num_train, "val": num_val}
     return {
         split: make_split(output_dir, split, counts[split], seed, min_size, max_size, image_size)

@@ -211,3 +211,6 @@ def test_fixed_image_size_and_cli(tmp_path):
     assert exit_info.value.code == 2
     with pytest.raises(ValueError, match="min_size"):
         shapes.make_shapes_dataset(str(tmp_path), 1, 1, min_size=100, max_size=64)
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        shapes.make_shapes_dataset(str(tmp_path / "file"), 1, 1)
