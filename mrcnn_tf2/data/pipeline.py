@@ -105,7 +105,7 @@ def flip_horizontally(image, boxes, *mask_crops):
 
 def bad_label_message(error):
     """"training record with source_id N holds class labels L, ..." when `error` (an error of the training iterator)
-    is the assertion of `InputPipeline._checked_labels`, else None."""
+    is the assertion of `InputPipeline._check_classes`, else None."""
     found = re.search(re.escape(BAD_LABEL) + r"-?\d+ holds class labels -?\d+(, -?\d+)*", error.message)
     return found and found.group()
 
@@ -200,7 +200,7 @@ class InputPipeline:
         self.rpn_targets = rpn_targets
         self.anchors = anchors
         self.preprocessor = Preprocessor(config.data)
-        self.overflowed = set()  # source ids of the records `_noted_overflow` warned of
+        self.overflowed = set()  # source ids of the records `_check_classes` warned of
 
     def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1, max_records=None):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
@@ -258,30 +258,23 @@ class InputPipeline:
         base = self.seed if self.seed is not None else tf.random.uniform([], 0, 2**31 - 1, tf.int64)
         return tf.stack([tf.cast(base, tf.int64), tf.cast(index, tf.int64)])
 
-    def _checked_labels(self, classes, source_id):
-        """classes [K] int32, after an assertion that each is a class of the model (1 .. num_classes - 1; 0 is
-        the background): a label past the classifier's outputs would otherwise stop training deep in the loss,
-        and a 0 would make the object a negative."""
+    def _check_classes(self, classes, source_id):
+        """Two checks of the classes [K] int32 of the record `source_id` (stateful ops: tf.data's functions run
+        them in order without control dependencies). An assertion that each is a class of the model (1 ..
+        num_classes - 1; 0 is the background): a label past the classifier's outputs would otherwise stop
+        training deep in the loss, and a 0 would make the object a negative. A warning on stderr, once per record
+        and process, when K is more than data.max_num_instances: `pad_instances` keeps the first M, and the
+        objects left out would otherwise turn into background for the anchors on them without a word."""
         bad = tf.logical_or(classes < 1, classes >= self.model.num_classes)
         labels = tf.strings.reduce_join(tf.strings.as_string(tf.boolean_mask(classes, bad)), separator=", ")
         found = tf.strings.join([tf.strings.as_string(source_id), " holds class labels ", labels])
-        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [BAD_LABEL + found])
-        with tf.control_dependencies([check]):
-            return tf.identity(classes)
-
-    def _noted_overflow(self, classes, source_id):
-        """classes [K] int32, after a warning on stderr, once per record and process, when K is more than
-        data.max_num_instances: `pad_instances` keeps the first M, and the objects left out would otherwise
-        turn into background for the anchors on them without a word."""
+        tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [BAD_LABEL + found])
         count = tf.size(classes)
-        noted = tf.cond(count > self.data.max_num_instances,
-                        lambda: tf.py_function(self._warn_overflow, [source_id, count], tf.bool),
-                        lambda: tf.constant(False))
-        with tf.control_dependencies([noted]):
-            return tf.identity(classes)
+        tf.cond(count > self.data.max_num_instances,
+                lambda: tf.py_function(self._warn_overflow, [source_id, count], tf.bool), lambda: tf.constant(False))
 
     def _warn_overflow(self, source_id, count):
-        """`_noted_overflow`'s warning for scalar tensors `source_id` and `count`; returns True."""
+        """`_check_classes`' warning for scalar tensors `source_id` and `count`; returns True."""
         source_id, count = int(source_id), int(count)
         if source_id not in self.overflowed:
             self.overflowed.add(source_id)
@@ -311,7 +304,7 @@ class InputPipeline:
         boxes, classes = tf.boolean_mask(boxes, keep), tf.boolean_mask(classes, keep)
         if not data.use_category:
             classes = tf.ones_like(classes)
-        classes = self._noted_overflow(self._checked_labels(classes, example["source_id"]), example["source_id"])
+        self._check_classes(classes, example["source_id"])
         # The mask crops, when the model has a mask branch, travel with the boxes through the flip.
         parts = (image, boxes)
         if include_mask:
