@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 
@@ -153,7 +154,16 @@ def start_world(mode):
 
 
 def main(argv=None) -> int:
-    """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status)."""
+    """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status), or 130
+    after Ctrl-C (in training the second one: the first stops it after a checkpoint, runtime.stop_signals)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("main.py: interrupted (SIGINT)", file=sys.stderr)
+        return status.stopped_by(signal.SIGINT)
+
+
+def _run(argv):
     args, config, sources = parse(argv, with_sources=True)
     if args.print_config:
         print(json.dumps({"mode": args.mode, "sources": sources, **config.to_dict()}, indent=2))

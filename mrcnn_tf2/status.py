@@ -6,3 +6,9 @@ OK = 0
 FAILURE = 1
 # Bad input or usage, found before any work was done: a flag, a missing or malformed file or record.
 BAD_INPUT = 2
+
+
+def stopped_by(signum: int) -> int:
+    """A run that a signal stopped (SIGINT, SIGTERM; runtime.stop_signals): 128 + the signal's number, as a shell
+    reports a process that the signal ended (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + signum

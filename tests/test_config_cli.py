@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -606,3 +607,14 @@ def test_a_file_where_a_run_writes_its_directory_is_named_before_anything_starts
         argv += ["--output_dir", str(tmp_path / "file"), "--input", str(tmp_path)]
     with pytest.raises(ConfigError, match=f"^{flag}: {tmp_path / 'file'} is a file, not a directory$"):
         arguments.check_inputs(mode, arguments.parse(argv)[1])
+
+
+def test_ctrl_c_outside_trainings_own_stop_is_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "check_inputs", lambda mode, config: None)
+    monkeypatch.setitem(sys.modules, "interrupted_runner", types.SimpleNamespace(run=interrupted))
+    monkeypatch.setitem(cli.RUNNERS, "export", "interrupted_runner")
+    assert main.main(["export"]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "main.py: interrupted (SIGINT)"

@@ -1,7 +1,7 @@
 """Distributed training and evaluation with Horovod under horovodrun (Gloo and MPI) and Open MPI's mpirun: the
 launcher's process count checked against Horovod's world, two ranks kept in sync and equal to one process on
 the combined batch, the records of one file shared, `main.py train` and `main.py eval` as one job, a dead rank
-ending the job, resume.
+ending the job, resume, and a signal to one rank stopping every rank with a checkpoint.
 
 Horovod is built by the set-up (scripts/build_horovod.sh), with MPI where Open MPI is installed (the set-up
 installs it where it can): where it does not import, or lacks MPI, these tests fail rather than skip, so CI
@@ -11,6 +11,7 @@ cannot silently lose them.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +66,7 @@ def test_without_a_launcher_the_world_is_one_process_and_collectives_are_identit
     assert world.average_gradients(gradients) is gradients
     assert world.allgather_object({"a": 1}) == [{"a": 1}]
     assert world.broadcast_object({"a": 1}) == {"a": 1}
+    assert world.max_over_ranks(15) == 15
 
 
 @pytest.mark.parametrize("environ, names", [
@@ -270,6 +272,36 @@ def test_a_dead_rank_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, shapes
     assert start[-1]["global_batch_size"] == 2 and start[-1]["start_step"] == resumed["step"]
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-6")
     assert output.count("[train] step 6/6") == 1  # one progress line per step: rank 1 is silent
+
+
+@pytest.mark.timeout(300)  # a horovodrun job of two ranks, with the test's own deadline of 240 s
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_update_with_rank_0s_checkpoint(tmp_path, shapes_records):
+    job = train_under_horovodrun(tmp_path, shapes_records["data_dir"], "--steps_per_epoch", "50", "--epochs", "1",
+                                 "--checkpoint_every", "100")
+    deadline = time.time() + 240
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if "[train] step 2/50" in line:
+            break
+        assert time.time() < deadline, "".join(lines)
+    # Rank 1, which writes nothing: without the ranks' agreement rank 0 would wait for it in the next update
+    # until the launcher ended the job, and write no checkpoint.
+    rank_process(job, 1).send_signal(signal.SIGTERM)
+    try:
+        output = "".join(lines) + job.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("the job did not stop within 120 s of the signal")
+    assert "exit with status code 143" in output, output[-3000:]
+    log = read_log(tmp_path / "log.jsonl")
+    (stopped,) = [r for r in log if r["event"] == "stopped"]
+    step = stopped["step"]
+    assert 2 <= step < 50 and stopped["reason"].startswith("SIGTERM; checkpoint of step"), stopped
+    assert [r["step"] for r in log if r["event"] == "metrics"] == list(range(1, step + 1))
+    assert [r["step"] for r in log if r["event"] == "checkpoint"] == [step]
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{step}")
 
 
 @pytest.mark.timeout(600)  # two mpirun jobs of two ranks (train with evaluation, eval), one evaluation here

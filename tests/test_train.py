@@ -1,5 +1,5 @@
-"""`main.py train`: schedule, accumulation, non-finite losses, resume after SIGKILL, corrupt checkpoints, benchmark,
-evaluation during training and the early stop at the target APs."""
+"""`main.py train`: schedule, accumulation, non-finite losses, resume after SIGKILL, the stop on SIGTERM or SIGINT,
+corrupt checkpoints, benchmark, evaluation during training and the early stop at the target APs."""
 
 import json
 import os
@@ -206,6 +206,73 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_re
     assert run_main(["eval", "--model_dir", str(tmp_path), "--backbone", "resnet34"]) == 2
     err = capsys.readouterr().err
     assert "resnet34" in err and "resnet18" in err
+
+
+# Budget: a training process stopped after its second update, with the test's own deadline of 300 s.
+@pytest.mark.timeout(360)
+@pytest.mark.slow
+def test_sigterm_stops_training_after_the_update_under_way_with_its_checkpoint(tmp_path, shapes_records):
+    # No periodic checkpoint before the signal: the one the run leaves is the stop's own.
+    process = start_training(tmp_path, shapes_records["data_dir"], "--steps_per_epoch", "50", "--epochs", "1",
+                             "--checkpoint_every", "100")
+    deadline = time.time() + 300
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("[train] step 2/50"):
+            break
+        assert time.time() < deadline, "".join(lines)
+    process.send_signal(signal.SIGTERM)
+    output = "".join(lines) + process.communicate(timeout=120)[0]
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    log = read_log(tmp_path / "log.jsonl")
+    (stopped,) = [r for r in log if r["event"] == "stopped"]
+    step = stopped["step"]
+    assert 2 <= step < 50 and stopped["reason"].startswith("SIGTERM; checkpoint of step")
+    # Each update up to the stop logged once, the last one with the checkpoint the rerun resumes from.
+    assert [r["step"] for r in log if r["event"] == "metrics"] == list(range(1, step + 1))
+    assert [r["step"] for r in log if r["event"] == "checkpoint"] == [step]
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{step}")
+    assert "[train] SIGTERM: stopping after the update under way and its checkpoint" in output
+    assert not (tmp_path / "train.lock").exists()
+
+
+def test_a_stop_signal_waits_for_the_loop_and_a_second_one_acts_as_before():
+    from mrcnn_tf2.runtime.stop_signals import StopSignals
+
+    seen = []
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        # What the process had before: Python's Ctrl-C handler, and a SIGTERM handler that records its calls
+        # (the default one would end the test's process).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+        before = signal.getsignal(signal.SIGTERM)
+        announced = []
+        with StopSignals(announce=lambda signum: announced.append(signum) or "") as stops:
+            assert stops.signum == 0
+            os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: held for the loop
+            assert stops.signum == signal.SIGINT and announced == [signal.SIGINT]
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stops.signum == signal.SIGTERM and seen == []
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is before
+        # An ignored signal stays ignored; leaving the context gives back the handlers it replaced.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with StopSignals() as stops:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not before
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stops.signum == 0
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
 
 
 @pytest.mark.slow

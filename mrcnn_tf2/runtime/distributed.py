@@ -62,6 +62,13 @@ class World:
         self.hvd.broadcast_variables([v.value if isinstance(v, keras.Variable) else v for v in variables],
                                      root_rank=0)
 
+    def max_over_ranks(self, value):
+        """The largest of every rank's int `value`, on every rank (eagerly; one small allreduce under Horovod)."""
+        if self.hvd is None:
+            return value
+        # Eager Horovod ops match across ranks by name: one name, as every rank calls this in the same order.
+        return int(self.hvd.allreduce(tf.constant(value, tf.int32), op=self.hvd.Max, name="max_over_ranks"))
+
     def broadcast_object(self, obj):
         """Rank 0's `obj` on every rank, for small picklable objects."""
         if self.hvd is None:

@@ -33,7 +33,7 @@ from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.pipeline import InputPipeline, bad_label_message
 from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata, load_backbone_checkpoint
-from mrcnn_tf2.runtime import model_dir_lock
+from mrcnn_tf2.runtime import model_dir_lock, stop_signals
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
                                            find_checkpoint)
@@ -299,7 +299,8 @@ class Trainer:
         else:
             logger = RunLogger(os.devnull, verbose=False)  # rank 0 reports for the job; errors still print
         try:
-            return self._loop(logger)
+            with stop_signals.StopSignals(self._stop_notice if self.world.is_chief else None) as stops:
+                return self._loop(logger, stops)
         except NonFiniteLossError as err:
             print(f"[train] error: {err}", file=sys.stderr)
             logger.event("stopped", reason=str(err))
@@ -317,7 +318,7 @@ class Trainer:
         finally:
             logger.close()
 
-    def _loop(self, logger):
+    def _loop(self, logger, stops):
         config, runtime = self.config, self.config.runtime
         accumulate = config.train.accumulate_steps
         if self.world.is_chief:
@@ -365,13 +366,17 @@ class Trainer:
             elif done > runtime.log_warmup_steps:
                 step_times.append(toc - tic)
             window.append(values)
+            # A signal (stop_signals) reaches the ranks at different moments: every rank stops after the same update.
+            signum = self.world.max_over_ranks(stops.signum) if step < last else 0
             epoch_end = not runtime.benchmark and step % self.steps_per_epoch == 0
-            if step % runtime.log_every == 0 or step == last:
+            if step % runtime.log_every == 0 or step == last or signum:
                 self._log_metrics(logger, step, last, window, step_times, timer_start)
                 window = []
             if (self.world.is_chief and not runtime.benchmark
-                    and (step % runtime.checkpoint_every == 0 or epoch_end or step == last)):
+                    and (step % runtime.checkpoint_every == 0 or epoch_end or step == last or signum)):
                 logger.event("checkpoint", step=step, path=self.keeper.save(step))
+            if signum:
+                return self._stop(logger, step, signum)
             stop = False
             if evaluator is not None:
                 paused = time.perf_counter()
@@ -384,6 +389,22 @@ class Trainer:
             self._report_benchmark(logger, step_times)
         logger.event("done", step=step, **self._skipped_summary())
         return status.OK
+
+    def _stop_notice(self, signum):
+        """The line rank 0 writes when `signum` comes (stop_signals.StopSignals's announce)."""
+        after = "the update under way" if self.config.runtime.benchmark else "the update under way and its checkpoint"
+        name = stop_signals.name(signum)
+        return f"[train] {name}: stopping after {after} ({name} again: at once)"
+
+    def _stop(self, logger, step, signum):
+        """Ends the run after update `step` on signal `signum`; returns the exit status."""
+        # The other ranks wait for rank 0's checkpoint: a launcher ends the whole job once one process exits with
+        # a failure status.
+        self.world.broadcast_object(None)
+        saved = ("a benchmark writes no checkpoint" if self.config.runtime.benchmark
+                 else f"checkpoint of step {step} written: the same command resumes from it")
+        logger.event("stopped", step=step, reason=f"{stop_signals.name(signum)}; {saved}")
+        return status.stopped_by(signum)
 
     def _skipped_summary(self):
         """{skipped_steps: count} under float16 loss scaling, else {}."""

@@ -1,0 +1,58 @@
+"""A training run stops cleanly on SIGINT (Ctrl-C) or SIGTERM (`docker stop`, Kubernetes, a batch scheduler that
+preempts or ends a job): it finishes the update under way, writes its checkpoint and exits with 128 + the
+signal's number (`status.stopped_by`), so that the same command resumes at that step rather than at the last
+periodic checkpoint (`--checkpoint_every`, 1000 updates by default).
+
+Only the first signal of each kind waits for the update: the handler then gives the signal back to what handled
+it before (Python's KeyboardInterrupt for SIGINT, the end of the process for SIGTERM), so that sending it again
+stops the process at once. A signal the process ignores (SIGINT of a job that a non-interactive shell started in
+the background) stays ignored.
+"""
+
+import os
+import signal
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def name(signum):
+    """'SIGTERM' for signal.SIGTERM."""
+    return signal.Signals(signum).name
+
+
+class StopSignals:
+    """A context in which SIGINT and SIGTERM set `signum` (0 until one comes) instead of acting at once.
+
+    announce: None, or f(signum) -> the line written to standard error when the signal comes (os.write, which
+    a signal handler may call while the main thread is inside a print).
+    Handlers can only be set in the main thread: elsewhere (a Python caller's worker thread) the context
+    changes nothing and `signum` stays 0.
+    """
+
+    def __init__(self, announce=None):
+        self.announce = announce
+        self.signum = 0
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous.pop(signum))
+        if self.announce is not None:
+            os.write(2, (self.announce(signum) + "\n").encode())
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                previous = signal.getsignal(signum)
+                if previous in (signal.SIG_IGN, None):  # None: set outside Python, which cannot restore it
+                    continue
+                self._previous[signum] = previous
+                signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+        return False
