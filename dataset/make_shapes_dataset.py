@@ -27,7 +27,9 @@ cancels and its rasterization equals the visible mask pixel for pixel (tests/tes
 checks this); a viewer that draws outlines shows the cut as a line. Crowd regions are uncompressed RLE,
 as in COCO.
 
-Ids (images, annotations, categories) start at 1 in each split. Image i of a split depends only on
+Ids (images, annotations, categories) start at 1 in each split; image files are named after their split and
+id (val_000001.jpg), so that records and an annotation file of different splits never agree on a file name
+(`main.py eval` refuses such a pair: the records' file names are its check). Image i of a split depends only on
 (seed, split, i): the same seed gives byte-identical files, and changing --num_train does not change
 the validation images. Every file is written under a temporary name and renamed when complete; a split's
 annotation file is removed before its images are (re)written and written last, so an interrupted run never
@@ -450,7 +452,7 @@ def make_split(output_dir, split, num_images, seed, min_size, max_size, image_si
         height, width = _image_size(rng, min_size, max_size, image_size)
         pixels, objects = render_scene(rng, height, width)
         image_id = index + 1
-        file_name = f"{image_id:06d}.jpg"
+        file_name = f"{split}_{image_id:06d}.jpg"
         files.write_bytes(os.path.join(image_dir, file_name), encode_jpeg(Image.fromarray(pixels)))
         images.append({"id": image_id, "file_name": file_name, "height": height, "width": width})
         for category_id, mask, iscrowd in objects:

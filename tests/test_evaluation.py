@@ -284,23 +284,44 @@ def test_an_annotation_file_that_is_not_coco_json_is_a_config_error_naming_it(tm
         coco_metrics.load_annotations(str(tmp_path / "none.json"))
 
 
-def test_images_of_another_size_than_their_annotation_entry_are_counted_and_named():
-    coco_gt = ground_truth()  # its own: an entry loses its size below
-    sizes = {i: (image["height"], image["width"]) for i, image in coco_gt.imgs.items()}
+def test_an_annotation_file_of_other_images_is_refused_and_entries_that_differ_are_named():
+    coco_gt = ground_truth()  # its own: entries change below
+    for image_id, image in coco_gt.imgs.items():
+        image["file_name"] = f"val/{image_id:06d}.jpg"
+    # The records' file names without the folder (a converter may keep either): the same images.
+    images = {i: (f"{i:06d}.jpg", image["height"], image["width"]) for i, image in coco_gt.imgs.items()}
+    check = coco_metrics.check_record_images
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        coco_metrics.warn_other_sizes(coco_gt, sizes)  # the same sizes: no warning
-    first = min(sizes)
-    height, width = sizes[first]
+        check(coco_gt, images, "val.json")
+        check(coco_gt, {i: ("", 0, 0) for i in images}, "val.json")  # records without name or size: not compared
+    first, *others = sorted(images)
+    name, height, width = images[first]
     with pytest.warns(UserWarning, match=re.escape(
-            f"1 of {len(sizes)} validation images have another size in the annotation file than in the records "
+            f"1 of {len(images)} validation images have another size in the annotation file than in the records "
             f"(image id {first} is {height + 1}x{width}, height x width, in the records and {height}x{width} in "
             "the annotations)")):
-        coco_metrics.warn_other_sizes(coco_gt, {**sizes, first: (height + 1, width)})
-    del coco_gt.imgs[first]["height"]  # an entry without a size is not compared
+        check(coco_gt, {**images, first: (name, height + 1, width)}, "val.json")
+    with pytest.warns(UserWarning, match=re.escape(
+            f"1 of {len(images)} validation images have another file name in the annotation file than in the records "
+            f"(image id {first} is 'x.jpg' in the validation records and 'val/{first:06d}.jpg' in val.json)")):
+        check(coco_gt, {**images, first: ("x.jpg", height, width)}, "val.json")
+    # Every name differs: the annotations of other images under the same ids.
+    with pytest.raises(ConfigError, match=re.escape(
+            f"--eval_file: val.json is the annotation file of other images: image id {first} is "
+            f"'train_{first:06d}.jpg' in the validation records and 'val/{first:06d}.jpg' in val.json, and each of "
+            f"the {len(images)} file names differs")):
+        check(coco_gt, {i: (f"train_{i:06d}.jpg", h, w) for i, (_, h, w) in images.items()}, "val.json")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"--eval_file: val.json has no entry for 2 of the {len(images) + 2} validation images (ids 1001, 1002): "
+            "it is not the annotation file of the validation records")):
+        check(coco_gt, {**images, 1001: ("a.jpg", 4, 4), 1002: ("b.jpg", 4, 4)}, "val.json")
+    # Entries without a size or a file name are not compared.
+    del coco_gt.imgs[first]["height"], coco_gt.imgs[first]["file_name"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        coco_metrics.warn_other_sizes(coco_gt, {**sizes, first: (height + 1, width)})
+        check(coco_gt, {**images, first: ("x.jpg", height + 1, width)}, "val.json")
+    assert others  # a comparison of more than one image
 
 
 @pytest.mark.slow
@@ -342,6 +363,17 @@ def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
             f"{first['id']} is {first['height'] - 1}x{first['width']}, height x width, in the records")):
         assert main.main(["eval", "--model_dir", str(model_dir), "--data_dir", shapes_records["data_dir"],
                           "--eval_file", str(tmp_path / "other.json"), "--eval_samples", "3"]) == 0
+
+    # The training split's annotations (the same ids, 1 to 5): refused before the model runs, nothing written.
+    os.remove(model_dir / "eval_results.json")
+    capsys.readouterr()
+    train_json = shapes_records["val_json"].replace("instances_val.json", "instances_train.json")
+    assert main.main(["eval", "--model_dir", str(model_dir), "--data_dir", shapes_records["data_dir"],
+                      "--eval_file", train_json]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"[eval] error: --eval_file: {train_json} is the annotation file of other images: "
+                                   "image id 1 is 'val_000001.jpg' in the validation records and 'train_000001.jpg'")
+    assert "[model]" not in captured.out and not (model_dir / "eval_results.json").exists()
 
 
 def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_records, capsys):

@@ -13,8 +13,8 @@ from PIL import Image
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data import coco_io
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.pipeline import (InputPipeline, bad_label_message, crop_instance_masks, flip_horizontally,
-                                     notice_record_sharding, worker_records)
+from mrcnn_tf2.data.pipeline import (InputPipeline, bad_label_message, crop_instance_masks, evaluation_images,
+                                     flip_horizontally, notice_record_sharding, worker_records)
 from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
 from mrcnn_tf2.model.factory import build_anchors, choose_ops
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
@@ -367,3 +367,24 @@ def test_input_pipeline_with_fused_anchor_targets_equals_twin(records):
         batches.append(first_batches(pipeline, records[0], 2))
     for got, want in zip(*batches):
         tf.nest.map_structure(np.testing.assert_array_equal, got, want)
+
+
+def test_evaluation_images_are_the_records_ids_names_and_sizes_in_the_evaluations_order(tmp_path):
+    def example(source_id, **features):
+        feature = {"image/source_id": tf.train.Feature(bytes_list=tf.train.BytesList(value=[str(source_id).encode()]))}
+        for key, value in features.items():
+            feature[f"image/{key}"] = (tf.train.Feature(bytes_list=tf.train.BytesList(value=[value.encode()]))
+                                       if isinstance(value, str) else
+                                       tf.train.Feature(int64_list=tf.train.Int64List(value=[value])))
+        return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+    # Two files, read in sorted order; a record of another converter may lack the file name and the size.
+    with tf.io.TFRecordWriter(str(tmp_path / "val-1.tfrecord")) as writer:
+        writer.write(example(7))
+    with tf.io.TFRecordWriter(str(tmp_path / "val-0.tfrecord")) as writer:
+        writer.write(example(5, filename="a.jpg", height=4, width=6))
+        writer.write(example(3, filename="b.jpg", height=8, width=2))
+    pattern = str(tmp_path / "val-*.tfrecord")
+    assert evaluation_images(pattern) == {5: ("a.jpg", 4, 6), 3: ("b.jpg", 8, 2), 7: ("", 0, 0)}
+    # The first two that an evaluation reads: the files are interleaved, a record of each.
+    assert evaluation_images(pattern, max_records=2) == {5: ("a.jpg", 4, 6), 7: ("", 0, 0)}

@@ -345,6 +345,16 @@ def test_a_class_label_outside_num_classes_is_a_clear_error_before_any_checkpoin
     assert not [name for name in os.listdir(tmp_path) if name.startswith("ckpt")]
 
 
+def test_an_eval_file_of_other_images_stops_training_before_its_first_update(tmp_path, shapes_records, capsys):
+    train_json = shapes_records["val_json"].replace("instances_val.json", "instances_train.json")
+    assert run_main(["train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), *SMALL_FLAGS,
+                     "--eval_file", train_json, "--epochs", "1", "--steps_per_epoch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"main.py: error: --eval_file: {train_json} is the annotation file of other images")
+    assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]  # no config, no checkpoint
+    assert [r["event"] for r in read_log(tmp_path / "log.jsonl")] == []
+
+
 def test_target_is_reached_when_every_given_ap_is_met():
     metrics = {"bbox/AP": 0.40, "segm/AP": 0.30}
     assert targets_reached(metrics, 0.377, 0.30)  # at the target counts

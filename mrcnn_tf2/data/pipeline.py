@@ -121,6 +121,41 @@ def check_tfrecord_file(path, file_pattern):
                          "the TFRecord shards") from None
 
 
+def matching_files(file_pattern):
+    """The sorted paths that `file_pattern` matches; raises ValueError naming it when there is none."""
+    paths = sorted(tf.io.gfile.glob(file_pattern))
+    if not paths:
+        raise ValueError(f"file pattern {file_pattern!r} matches no file (make TFRecords with "
+                         "dataset/create_coco_tf_record.py)")
+    return paths
+
+
+def evaluation_records(file_pattern, max_records=None):
+    """The serialized records an evaluation reads, in one process's order: the first `max_records` (None: all)
+    of the files `file_pattern` matches, in their sorted order, after checking that each is a TFRecord file."""
+    paths = matching_files(file_pattern)
+    for path in paths:
+        check_tfrecord_file(path, file_pattern)
+    records = worker_records(paths, 0, 1, training=False)
+    return records if max_records is None else records.take(max_records)
+
+
+def evaluation_images(file_pattern, max_records=None):
+    """{source id: (file name, height, width)} of the images `evaluation_records` reads, from their records'
+    features alone (no image is decoded); "" and 0 where a record lacks the feature (records of other
+    converters may have no image/filename)."""
+    features = {"image/source_id": tf.io.FixedLenFeature([], tf.string),
+                "image/filename": tf.io.FixedLenFeature([], tf.string, default_value=""),
+                "image/height": tf.io.FixedLenFeature([], tf.int64, default_value=0),
+                "image/width": tf.io.FixedLenFeature([], tf.int64, default_value=0)}
+    images = {}
+    for batch in evaluation_records(file_pattern, max_records).batch(256).map(
+            lambda records: tf.io.parse_example(records, features)):
+        for source_id, name, height, width in zip(*(batch[key].numpy() for key in features)):
+            images[int(source_id)] = (name.decode("utf-8", "replace"), int(height), int(width))
+    return images
+
+
 def worker_records(paths, shard_index, num_shards, training, seed=None):
     """The serialized records that worker `shard_index` of `num_shards` reads, before any record shuffle.
 
@@ -212,11 +247,8 @@ class InputPipeline:
         those every `num_shards`-th from `shard_index` on, each once, keeping the last partial batch: the
         workers together evaluate exactly the images one process would.
         """
-        paths = sorted(tf.io.gfile.glob(file_pattern))
-        if not paths:
-            raise ValueError(f"file pattern {file_pattern!r} matches no file (make TFRecords with "
-                             "dataset/create_coco_tf_record.py)")
         if self.training:
+            paths = matching_files(file_pattern)
             records = self._training_records(paths, file_pattern, shard_index, num_shards)
             records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
             # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.
@@ -225,13 +257,8 @@ class InputPipeline:
             if self.data.use_synthetic_data:
                 batches = batches.take(1).cache().repeat()
         else:
-            for path in paths:
-                check_tfrecord_file(path, file_pattern)
-            records = worker_records(paths, 0, 1, training=False)
-            if max_records is not None:
-                records = records.take(max_records)
-            examples = records.shard(num_shards, shard_index).map(unconverted(self.preprocess_eval),
-                                                                  num_parallel_calls=tf.data.AUTOTUNE)
+            records = evaluation_records(file_pattern, max_records).shard(num_shards, shard_index)
+            examples = records.map(unconverted(self.preprocess_eval), num_parallel_calls=tf.data.AUTOTUNE)
             # Zero padding to the batch's largest example, then to the model input's size (`pad_batch`).
             batches = examples.padded_batch(batch_size, drop_remainder=False).map(unconverted(self._pad_batch))
         return batches.prefetch(tf.data.AUTOTUNE)

@@ -14,6 +14,7 @@ This module is NumPy and pycocotools only; nothing here runs in TensorFlow.
 
 import contextlib
 import io
+import os
 import warnings
 
 import numpy as np
@@ -133,21 +134,47 @@ def load_annotations(path):
         raise ConfigError("--eval_file", f"{path} is not a COCO annotation file: {detail}") from None
 
 
-def warn_other_sizes(coco_gt, sizes):
-    """Warns (UserWarning) when images of `sizes` ({image id: (height, width)}, the records') have another size
-    in `coco_gt` (entries without height and width are not compared): when all do, the annotation file is of
-    other images under the same ids, and every AP is scored against the wrong objects. Not an error: the
-    converter keeps an image whose JSON size is wrong (its image_size_mismatch warning)."""
-    other = []
-    for image_id, size in sorted(sizes.items()):
-        entry = coco_gt.imgs.get(image_id, {})
-        if "height" in entry and "width" in entry and (entry["height"], entry["width"]) != tuple(size):
-            other.append((image_id, tuple(size), (entry["height"], entry["width"])))
-    if other:
-        image_id, (height, width), (annotated_height, annotated_width) = other[0]
+def check_record_images(coco_gt, images, eval_file):
+    """Checks, before any image is evaluated, that `coco_gt` (the annotation file `eval_file`) is of the images
+    of the validation records.
+
+    images: {image id: (file name, height, width)} of the records (`pipeline.evaluation_images`; "" and 0 where a
+    record lacks them, which are then not compared; nor are entries without file_name, height or width).
+
+    Raises ConfigError naming --eval_file when it lacks some of the ids, or when the file names of all the ids it
+    has differ from the records' (the annotations of other images under the same ids: every AP would be
+    scored against other objects). Warns (UserWarning) when the file names of only some differ, and when
+    sizes differ (the converter keeps an image whose JSON size is wrong: its image_size_mismatch warning).
+    """
+    missing = sorted(set(images) - set(coco_gt.imgs))
+    if missing:
+        raise ConfigError("--eval_file", f"{eval_file} has no entry for {len(missing)} of the {len(images)} "
+                          f"validation images (ids {', '.join(map(str, missing[:5]))}"
+                          f"{', ...' if len(missing) > 5 else ''}): it is not the annotation file of the validation "
+                          "records")
+    compared, other_names, other_sizes = 0, [], []
+    for image_id, (name, height, width) in sorted(images.items()):
+        entry = coco_gt.imgs[image_id]
+        if name and entry.get("file_name"):
+            compared += 1
+            if os.path.basename(name) != os.path.basename(entry["file_name"]):
+                other_names.append((image_id, name, entry["file_name"]))
+        if height and "height" in entry and "width" in entry and (entry["height"], entry["width"]) != (height, width):
+            other_sizes.append((image_id, (height, width), (entry["height"], entry["width"])))
+    if other_names:
+        image_id, name, annotated = other_names[0]
+        found = (f"image id {image_id} is {name!r} in the validation records and {annotated!r} in {eval_file}")
+        if len(other_names) == compared:
+            raise ConfigError("--eval_file", f"{eval_file} is the annotation file of other images: {found}, and "
+                              f"each of the {compared} file names differs")
+        warnings.warn(f"{len(other_names)} of {compared} validation images have another file name in the annotation "
+                      f"file than in the records ({found}): their APs are scored against another image's objects",
+                      stacklevel=3)
+    if other_sizes:
+        image_id, (height, width), (annotated_height, annotated_width) = other_sizes[0]
         warnings.warn(
-            f"{len(other)} of {len(sizes)} validation images have another size in the annotation file than in the "
-            f"records (image id {image_id} is {height}x{width}, height x width, in the records and "
+            f"{len(other_sizes)} of {len(images)} validation images have another size in the annotation file than in "
+            f"the records (image id {image_id} is {height}x{width}, height x width, in the records and "
             f"{annotated_height}x{annotated_width} in the annotations): if all do, --eval_file is the annotation "
             "file of other images", stacklevel=3)
 

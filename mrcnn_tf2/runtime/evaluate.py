@@ -21,7 +21,7 @@ import warnings
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.config import ConfigError
-from mrcnn_tf2.data.pipeline import InputPipeline
+from mrcnn_tf2.data.pipeline import InputPipeline, evaluation_images
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import choose_ops
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
@@ -43,19 +43,26 @@ class Evaluation:
     time_s: dict  # seconds spent: input (reading batches), model, pasting (masks + RLE), cocoeval
 
 
-def annotations_of(eval_file, world=SINGLE_PROCESS):
-    """The ground truth of `eval_file` (`coco_metrics.load_annotations`) on rank 0, None on the other ranks: rank
-    0 alone reads it (the other machines need not have it). Raises ConfigError on every rank when rank 0 cannot
-    read it, so that no rank waits for one that stopped."""
+def annotations_of(config, world=SINGLE_PROCESS):
+    """The ground truth of eval.eval_file (`coco_metrics.load_annotations`) on rank 0, None on the other ranks, once
+    rank 0 has checked that it is of the images of the validation records that evaluations read
+    (`coco_metrics.check_record_images`; the first eval.eval_samples): rank 0 alone reads the file (the other
+    machines need not have it). Raises ConfigError (a bad or mismatched file) or ValueError (no validation
+    records) on every rank when rank 0 finds one, so that no rank waits for one that stopped."""
     coco_gt, problem = None, None
     if world.is_chief:
         try:
-            coco_gt = coco_metrics.load_annotations(eval_file)
+            coco_gt = coco_metrics.load_annotations(config.eval.eval_file)
+            images = evaluation_images(config.data.resolved_validation_pattern(), config.eval.eval_samples)
+            coco_metrics.check_record_images(coco_gt, images, config.eval.eval_file)
         except ConfigError as err:
             problem = (err.key, err.message)
+        except ValueError as err:
+            problem = (None, str(err))
     problem = world.broadcast_object(problem)
     if problem is not None:
-        raise ConfigError(*problem)
+        key, message = problem
+        raise ConfigError(key, message) if key else ValueError(message)
     return coco_gt
 
 
@@ -92,7 +99,7 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
     dataset = InputPipeline(config, training=False).dataset(pattern, 1 if own_size else batch_size, world.rank,
                                                             world.size, max_images)
     time_s = dict(input=0.0, model=0.0, pasting=0.0, cocoeval=0.0)
-    results, image_ids, dropped, sizes = [], [], 0, {}
+    results, image_ids, dropped = [], [], 0
     batches = iter(dataset)
     if own_size:
         batches = map(concat_batches, same_shape_batches(batches, batch_size, lambda b: tuple(b["images"].shape)))
@@ -111,13 +118,10 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
         results += batch_results
         dropped += batch_dropped
         image_ids += outputs["source_ids"].tolist()
-        # image_info [B, 5] holds each image's own height and width at 3:5.
-        sizes.update(zip(outputs["source_ids"].tolist(), outputs["image_info"][:, 3:5].astype(int).tolist()))
     if world.size > 1:
-        shares = world.allgather_object((results, image_ids, dropped, sizes))
+        shares = world.allgather_object((results, image_ids, dropped))
         results, image_ids, dropped = ([r for share in shares for r in share[0]],
                                        [i for share in shares for i in share[1]], sum(share[2] for share in shares))
-        sizes = {i: size for share in shares for i, size in share[3].items()}
     if not image_ids:
         raise ValueError(f"no validation image in {pattern}.")
     if not world.is_chief:
@@ -126,7 +130,6 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
     # evaluated and however the images were batched.
     results.sort(key=lambda result: result["image_id"])
     coco_metrics.warn_dropped(dropped, category_ids)
-    coco_metrics.warn_other_sizes(coco_gt, sizes)
     tic = time.perf_counter()
     iou_types = coco_metrics.IOU_TYPES if config.model.include_mask else ("bbox",)
     try:
@@ -172,7 +175,7 @@ class TrainingEvaluator:
         self.interval = None if every is None else every * steps_per_epoch
         self.steps_per_epoch = steps_per_epoch
         # Read once, before the first step: evaluations reuse it.
-        self.coco_gt = annotations_of(config.eval.eval_file, world)
+        self.coco_gt = annotations_of(config, world)
 
     @classmethod
     def from_config(cls, config, steps_per_epoch, world=SINGLE_PROCESS):
@@ -227,18 +230,15 @@ def run(config, world=SINGLE_PROCESS):
     if not eval_file:
         return _fail("--eval_file is required: the COCO annotation JSON of the validation images.", world)
     total = time.perf_counter()
-    try:
-        coco_gt = annotations_of(eval_file, world)
-        backend = open_backend(config, world)
-    except ValueError as err:  # ConfigError included
-        return _fail(str(err), world)
-    loaded = backend.loaded  # None for an exported artefact
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")  # a dropped-detections warning must show on every run
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the annotations' and dropped detections' warnings show on every run
+        try:
+            coco_gt = annotations_of(config, world)
+            backend = open_backend(config, world)
             evaluation = run_evaluation(backend, config, coco_gt=coco_gt, world=world)
-    except ValueError as err:
-        return _fail(str(err), world)
+        except ValueError as err:  # ConfigError included
+            return _fail(str(err), world)
+    loaded = backend.loaded  # None for an exported artefact
     if not world.is_chief:
         return status.OK
     time_s = {**evaluation.time_s, "total": time.perf_counter() - total}

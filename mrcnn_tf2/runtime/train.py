@@ -329,6 +329,11 @@ class Trainer:
         batches = iter(self.dataset(start))
         first = next(batches)
         batches = itertools.chain([first], batches)
+        # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP. Under
+        # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop. Made before
+        # the config and any checkpoint are written: an annotation file of other images stops the run here.
+        evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
+                     if not runtime.benchmark else None)
         if start == 0 and self.world.is_chief:
             notice = self._initialisation_notice()
             if notice:
@@ -346,10 +351,6 @@ class Trainer:
                 else self.total_steps)
         update = self.update_function()
         self._log_graph(update, [first] * accumulate, logger)
-        # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP. Under
-        # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop.
-        evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
-                     if not runtime.benchmark else None)
         step_times, window = [], []
         timer_start = None
         for step in range(start + 1, last + 1):
