@@ -368,6 +368,7 @@ def test_target_is_reached_when_every_given_ap_is_met():
 def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records):
     config = Config()
     config.eval.eval_file = shapes_records["val_json"]
+    config.data.data_dir = shapes_records["data_dir"]
     assert TrainingEvaluator.from_config(Config(), steps_per_epoch=5) is None  # no --eval_file: no evaluation
     at_end = TrainingEvaluator.from_config(config, steps_per_epoch=5)
     assert [step for step in range(1, 31) if at_end.due(step, last_step=30)] == [30]
