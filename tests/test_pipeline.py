@@ -3,6 +3,7 @@ each worker's share of the records."""
 
 import io
 import os
+import re
 import shutil
 
 import numpy as np
@@ -388,3 +389,9 @@ def test_evaluation_images_are_the_records_ids_names_and_sizes_in_the_evaluation
     assert evaluation_images(pattern) == {5: ("a.jpg", 4, 6), 3: ("b.jpg", 8, 2), 7: ("", 0, 0)}
     # The first two that an evaluation reads: the files are interleaved, a record of each.
     assert evaluation_images(pattern, max_records=2) == {5: ("a.jpg", 4, 6), 7: ("", 0, 0)}
+    # Another conversion of the same images, which the pattern also matches: each would be evaluated twice.
+    shutil.copy(tmp_path / "val-0.tfrecord", tmp_path / "val2017-0.tfrecord")
+    pattern = str(tmp_path / "val*.tfrecord")
+    with pytest.raises(ValueError, match=re.escape(f"file pattern {pattern!r} matches 2 images more than once (image "
+                                                   "id 5 in 2 records): it matches the same images twice")):
+        evaluation_images(pattern)

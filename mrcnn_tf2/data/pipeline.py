@@ -20,6 +20,7 @@ Glossary: B batch, M = max_num_instances, S = gt_mask_size, H x W = image_size, 
 FPN level l, A anchors per cell.
 """
 
+import collections
 import functools
 import re
 import sys
@@ -143,16 +144,28 @@ def evaluation_records(file_pattern, max_records=None):
 def evaluation_images(file_pattern, max_records=None):
     """{source id: (file name, height, width)} of the images `evaluation_records` reads, from their records'
     features alone (no image is decoded); "" and 0 where a record lacks the feature (records of other
-    converters may have no image/filename)."""
+    converters may have no image/filename).
+
+    Raises ValueError naming the pattern when records repeat an id: an evaluation would score each of those
+    images' detections twice, the second copy as false positives."""
     features = {"image/source_id": tf.io.FixedLenFeature([], tf.string),
                 "image/filename": tf.io.FixedLenFeature([], tf.string, default_value=""),
                 "image/height": tf.io.FixedLenFeature([], tf.int64, default_value=0),
                 "image/width": tf.io.FixedLenFeature([], tf.int64, default_value=0)}
-    images = {}
+    images, repeated = {}, collections.Counter()
     for batch in evaluation_records(file_pattern, max_records).batch(256).map(
             lambda records: tf.io.parse_example(records, features)):
         for source_id, name, height, width in zip(*(batch[key].numpy() for key in features)):
-            images[int(source_id)] = (name.decode("utf-8", "replace"), int(height), int(width))
+            source_id = int(source_id)
+            if source_id in images:
+                repeated[source_id] += 1
+            images[source_id] = (name.decode("utf-8", "replace"), int(height), int(width))
+    if repeated:
+        (source_id, copies), = repeated.most_common(1)
+        raise ValueError(f"file pattern {file_pattern!r} matches {len(repeated)} images more than once (image id "
+                         f"{source_id} in {copies + 1} records): it matches the same images twice, such as the "
+                         "shards of two conversions of one split; narrow it (--config_override "
+                         "data.validation_file_pattern=PATTERN)")
     return images
 
 

@@ -47,8 +47,8 @@ def annotations_of(config, world=SINGLE_PROCESS):
     """The ground truth of eval.eval_file (`coco_metrics.load_annotations`) on rank 0, None on the other ranks, once
     rank 0 has checked that it is of the images of the validation records that evaluations read
     (`coco_metrics.check_record_images`; the first eval.eval_samples): rank 0 alone reads the file (the other
-    machines need not have it). Raises ConfigError (a bad or mismatched file) or ValueError (no validation
-    records) on every rank when rank 0 finds one, so that no rank waits for one that stopped."""
+    machines need not have it). Raises ConfigError on every rank when rank 0 finds the file or the validation
+    records wrong (`pipeline.evaluation_images`), so that no rank waits for one that stopped."""
     coco_gt, problem = None, None
     if world.is_chief:
         try:
@@ -57,12 +57,11 @@ def annotations_of(config, world=SINGLE_PROCESS):
             coco_metrics.check_record_images(coco_gt, images, config.eval.eval_file)
         except ConfigError as err:
             problem = (err.key, err.message)
-        except ValueError as err:
-            problem = (None, str(err))
+        except ValueError as err:  # of the validation records
+            problem = ("--data_dir", str(err))
     problem = world.broadcast_object(problem)
     if problem is not None:
-        key, message = problem
-        raise ConfigError(key, message) if key else ValueError(message)
+        raise ConfigError(*problem)
     return coco_gt
 
 
