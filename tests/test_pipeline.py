@@ -14,8 +14,8 @@ from PIL import Image
 from mrcnn_tf2.config import Config
 from mrcnn_tf2.data import coco_io
 from mrcnn_tf2.data.decoder import decode_example
-from mrcnn_tf2.data.pipeline import (InputPipeline, bad_label_message, crop_instance_masks, evaluation_images,
-                                     flip_horizontally, notice_record_sharding, worker_records)
+from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, evaluation_images, flip_horizontally,
+                                     notice_record_sharding, record_problem, worker_records)
 from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
 from mrcnn_tf2.model.factory import build_anchors, choose_ops
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
@@ -334,11 +334,32 @@ def test_a_class_label_outside_num_classes_stops_the_input_naming_the_record_and
                 continue
             with pytest.raises(tf.errors.InvalidArgumentError) as raised:
                 pipeline.preprocess_train(tf.constant(0, tf.int64), serialized)
-            assert bad_label_message(raised.value) == (f"training record with source_id {int(example['source_id'])} "
-                                                       f"holds class labels {', '.join(outside)}")
+            assert record_problem(raised.value) == (
+                "--num_classes", f"4, but a training record with source_id {int(example['source_id'])} holds class "
+                f"labels {', '.join(outside)}: the labels must be 1 to 3 (0 is the background); --num_classes is the "
+                "largest category id plus one")
             named += 1
     assert named >= 2
-    assert bad_label_message(tf.errors.InvalidArgumentError(None, None, "another error")) is None
+    assert record_problem(tf.errors.InvalidArgumentError(None, None, "another error")) is None
+
+
+def test_a_record_without_masks_stops_the_input_of_a_mask_model_naming_it(records):
+    train, _, _ = records
+    serialized = next(s for s in tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(train))[0])
+                      if len(decode_example(s)["gt_classes"]) > 0)
+    example = tf.train.Example.FromString(serialized.numpy())
+    del example.features.feature["image/object/mask"]  # as the converter writes with --noinclude_masks
+    decoded = decode_example(serialized)
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        training_pipeline(make_config()).preprocess_train(tf.constant(0, tf.int64), example.SerializeToString())
+    assert record_problem(raised.value) == (
+        "--data_dir", f"training record with source_id {int(decoded['source_id'])} holds "
+        f"{len(decoded['gt_classes'])} objects and 0 masks: a model with a mask head trains on their masks (convert "
+        "the records without --noinclude_masks, or train boxes alone: --config_override model.include_mask=false)")
+    config = make_config()
+    config.model.include_mask = False  # a box model trains on them
+    features = training_pipeline(config).preprocess_train(tf.constant(0, tf.int64), example.SerializeToString())
+    assert "gt_masks" not in features and int((features["gt_classes"] > 0).numpy().sum()) > 0
 
 
 def test_a_record_of_more_objects_than_max_num_instances_is_named_once(records, capsys):

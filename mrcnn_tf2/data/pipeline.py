@@ -41,9 +41,10 @@ PADDING_MASK = -1.0
 SHUFFLE_RECORDS = 256
 # Files read at once by the interleave.
 CYCLE_LENGTH = 8
-# Opens the message of the assertion a training record fails when it holds a class label outside 1 ..
-# num_classes - 1 (`bad_label_message` finds it in the error the iterator raises).
-BAD_LABEL = "training record with source_id "
+# Opens the messages of the assertions of the training input's checks of each record (`InputPipeline._check_record`),
+# "<RECORD_PROBLEM><flag>: <the record, what is wrong, what to do>", which `record_problem` finds in the error the
+# iterator raises.
+RECORD_PROBLEM = "training record problem: "
 
 
 def crop_instance_masks(masks, boxes, size):
@@ -104,11 +105,12 @@ def flip_horizontally(image, boxes, *mask_crops):
     return (image[:, ::-1, :], boxes, *[crops[:, :, ::-1] for crops in mask_crops])
 
 
-def bad_label_message(error):
-    """"training record with source_id N holds class labels L, ..." when `error` (an error of the training iterator)
-    is the assertion of `InputPipeline._check_classes`, else None."""
-    found = re.search(re.escape(BAD_LABEL) + r"-?\d+ holds class labels -?\d+(, -?\d+)*", error.message)
-    return found and found.group()
+def record_problem(error):
+    """(flag, message) of the check of `InputPipeline._check_record` that `error` (an error of the training
+    iterator) reports, else None."""
+    # Its data ends the message as b'...' when the check ran eagerly, as [...] in the graph of tf.data.
+    found = re.search(re.escape(RECORD_PROBLEM) + r"(--\w+): (.*?)'?(?:\]|$)", error.message, re.MULTILINE)
+    return found and found.groups()
 
 
 def check_tfrecord_file(path, file_pattern):
@@ -248,7 +250,7 @@ class InputPipeline:
         self.rpn_targets = rpn_targets
         self.anchors = anchors
         self.preprocessor = Preprocessor(config.data)
-        self.overflowed = set()  # source ids of the records `_check_classes` warned of
+        self.overflowed = set()  # source ids of the records `_check_record` warned of
 
     def dataset(self, file_pattern, batch_size, shard_index=0, num_shards=1, max_records=None):
         """The batched dataset of `features` dicts (see `preprocess_train` / `preprocess_eval`).
@@ -298,23 +300,41 @@ class InputPipeline:
         base = self.seed if self.seed is not None else tf.random.uniform([], 0, 2**31 - 1, tf.int64)
         return tf.stack([tf.cast(base, tf.int64), tf.cast(index, tf.int64)])
 
-    def _check_classes(self, classes, source_id):
-        """Two checks of the classes [K] int32 of the record `source_id` (stateful ops: tf.data's functions run
-        them in order without control dependencies). An assertion that each is a class of the model (1 ..
-        num_classes - 1; 0 is the background): a label past the classifier's outputs would otherwise stop
-        training deep in the loss, and a 0 would make the object a negative. A warning on stderr, once per record
-        and process, when K is more than data.max_num_instances: `pad_instances` keeps the first M, and the
-        objects left out would otherwise turn into background for the anchors on them without a word."""
-        bad = tf.logical_or(classes < 1, classes >= self.model.num_classes)
+    def _check_record(self, example, classes):
+        """Checks of a decoded training record `example` (`decode_example`), whose objects left after the crowd
+        regions are dropped have the classes [K] int32 (stateful ops: tf.data's functions run them in order
+        without control dependencies). Assertions (`record_problem`): that each class is one of the model (1 ..
+        num_classes - 1; 0 is the background), as a label past the classifier's outputs would otherwise stop
+        training deep in the loss, and a 0 would make the object a negative; with a mask head, that the record
+        holds a mask for each object (records converted with --noinclude_masks have none, and the input failed
+        on them in a gather), example["gt_masks"] then replaced by the same masks made to wait for it. A warning
+        on stderr, once per record and process, when K is more than data.max_num_instances: `pad_instances`
+        keeps the first M, and the objects left out would otherwise turn into background for the anchors on them
+        without a word."""
+        source_id, num_classes = example["source_id"], self.model.num_classes
+        record = tf.strings.join(["training record with source_id ", tf.strings.as_string(source_id)])
+        bad = tf.logical_or(classes < 1, classes >= num_classes)
         labels = tf.strings.reduce_join(tf.strings.as_string(tf.boolean_mask(classes, bad)), separator=", ")
-        found = tf.strings.join([tf.strings.as_string(source_id), " holds class labels ", labels])
-        tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [BAD_LABEL + found])
+        tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [tf.strings.join([
+            f"{RECORD_PROBLEM}--num_classes: {num_classes}, but a ", record, " holds class labels ", labels,
+            f": the labels must be 1 to {num_classes - 1} (0 is the background); --num_classes is the largest "
+            "category id plus one"])])
+        if "gt_masks" in example:
+            objects, masks = tf.size(example["gt_classes"]), tf.shape(example["gt_masks"])[0]
+            masks_checked = tf.debugging.Assert(tf.equal(objects, masks), [tf.strings.join([
+                f"{RECORD_PROBLEM}--data_dir: ", record, " holds ", tf.strings.as_string(objects), " objects and ",
+                tf.strings.as_string(masks), " masks: a model with a mask head trains on their masks (convert the "
+                "records without --noinclude_masks, or train boxes alone: --config_override "
+                "model.include_mask=false)"])])
+            # The masks' gather would otherwise fail first, in its own words (graph ops run as their inputs allow).
+            with tf.control_dependencies([masks_checked]):
+                example["gt_masks"] = tf.identity(example["gt_masks"])
         count = tf.size(classes)
         tf.cond(count > self.data.max_num_instances,
                 lambda: tf.py_function(self._warn_overflow, [source_id, count], tf.bool), lambda: tf.constant(False))
 
     def _warn_overflow(self, source_id, count):
-        """`_check_classes`' warning for scalar tensors `source_id` and `count`; returns True."""
+        """`_check_record`'s warning for scalar tensors `source_id` and `count`; returns True."""
         source_id, count = int(source_id), int(count)
         if source_id not in self.overflowed:
             self.overflowed.add(source_id)
@@ -344,7 +364,7 @@ class InputPipeline:
         boxes, classes = tf.boolean_mask(boxes, keep), tf.boolean_mask(classes, keep)
         if not data.use_category:
             classes = tf.ones_like(classes)
-        self._check_classes(classes, example["source_id"])
+        self._check_record(example, classes)  # and gt_masks made to wait for its check
         # The mask crops, when the model has a mask branch, travel with the boxes through the flip.
         parts = (image, boxes)
         if include_mask:

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from mrcnn_tf2 import status
 from mrcnn_tf2.config import ConfigError
-from mrcnn_tf2.data.pipeline import InputPipeline, bad_label_message
+from mrcnn_tf2.data.pipeline import InputPipeline, record_problem
 from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata, load_backbone_checkpoint
 from mrcnn_tf2.runtime import model_dir_lock, stop_signals
@@ -306,13 +306,10 @@ class Trainer:
             logger.event("stopped", reason=str(err))
             return status.FAILURE  # the message names the cause
         except tf.errors.InvalidArgumentError as err:
-            found = bad_label_message(err)
+            found = record_problem(err)
             if found is None:
                 raise
-            num_classes = self.config.model.num_classes
-            problem = ConfigError("--num_classes", f"{num_classes}, but a {found}: the labels must be 1 to "
-                                  f"{num_classes - 1} (0 is the background); --num_classes is the largest category "
-                                  "id plus one")
+            problem = ConfigError(*found)
             logger.event("stopped", reason=str(problem))
             raise problem from None
         finally:
