@@ -33,7 +33,8 @@ Bad input. Problems with the structure of the JSON stop the run before anything 
 naming the file, the entry and the key, and exit status 2: invalid JSON; a missing or mistyped top-level
 'images', 'annotations' or 'categories'; an entry without one of its required keys (images: id, file_name,
 height, width; annotations: id, image_id, category_id, bbox; categories: id, name) or with a value of the wrong
-type (also for the optional 'iscrowd' and 'area'); duplicate ids within one list. A missing --image_dir is also
+type (also for the optional 'iscrowd' and 'area'); duplicate ids within one list; a category numbered 0 (the
+background class) that annotations use (one no annotation uses is left alone). A missing --image_dir is also
 an error, and so is a conversion that would write no image (every image missing, unreadable, or left out by
 --skip_empty): it exits 2 naming the first skipped file, and leaves no shard. A worker failing later removes
 every temporary shard before the error propagates.
@@ -220,6 +221,17 @@ def load_annotations(path):
             previous = first_index_of.setdefault(entry["id"], index)
             if previous != index:
                 raise BadInputError(f"{path}: {where}['id'] = {entry['id']} repeats {key}[{previous}]['id']")
+    # A stray annotation of category 0 is dropped with a warning; a whole class numbered 0 would be dropped
+    # with it (files from tools that number categories from 0), which is no dataset's intent.
+    background = [index for index, category in enumerate(dataset["categories"])
+                  if category["id"] == BACKGROUND_CATEGORY_ID]
+    used = sum(annotation["category_id"] == BACKGROUND_CATEGORY_ID for annotation in dataset["annotations"])
+    if background and used:
+        category = dataset["categories"][background[0]]
+        raise BadInputError(f"{path}: categories[{background[0]}] ({category.get('name', '')!r}) has id "
+                            f"{BACKGROUND_CATEGORY_ID}, which {used} annotations use: id {BACKGROUND_CATEGORY_ID} is "
+                            "Mask R-CNN's background class, whose objects would all be dropped; number the "
+                            "categories from 1 (and their annotations' category_id)")
     return dataset
 
 

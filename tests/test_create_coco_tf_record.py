@@ -321,6 +321,14 @@ def replaced(path, key, value):
     return dataset
 
 
+def numbered_from_zero(used):
+    """VALID with its category numbered 0, which `used` of its 2 annotations keep."""
+    dataset = replaced(("categories", 0), "id", 0)
+    for annotation in dataset["annotations"][:used]:
+        annotation["category_id"] = 0
+    return dataset
+
+
 @pytest.mark.parametrize(
     "content, expected",
     [
@@ -335,6 +343,8 @@ def replaced(path, key, value):
         (replaced(("annotations", 1), "iscrowd", 2), ["annotations[1]['iscrowd']", "0 or 1"]),
         (replaced(("annotations", 1), "id", 1), ["annotations[1]['id']", "repeats annotations[0]"]),
         (replaced((), "images", {}), ["'images' must be a list"]),
+        (numbered_from_zero(used=2), ["categories[0] ('thing') has id 0, which 2 annotations use: id 0 is Mask "
+                                      "R-CNN's background class", "number the categories from 1"]),
     ],
 )
 def test_bad_annotation_file_stops_with_exit_2_and_writes_nothing(tmp_path, capsys, content, expected):
@@ -352,6 +362,17 @@ def test_bad_annotation_file_stops_with_exit_2_and_writes_nothing(tmp_path, caps
     for part in [str(annotations_file)] + expected:
         assert part in message
     assert os.listdir(output_dir) == []
+
+
+def test_a_category_numbered_0_that_no_annotation_uses_converts(tmp_path):
+    # As some exporters write a data set's name as category 0 above its classes 1, 2, ...
+    dataset = copy.deepcopy(VALID)
+    dataset["categories"].insert(0, {"id": 0, "name": "my data set"})
+    (tmp_path / "images").mkdir()
+    write_jpeg(tmp_path / "images" / "a.jpg", 8, 8)
+    summary = converter.convert_coco(str(tmp_path / "images"), write_json(tmp_path / "instances_val.json", dataset),
+                                     str(tmp_path / "out"), num_workers=1, include_masks=False, progress=False)
+    assert (summary.images_written, summary.instances) == (1, 2)
 
 
 def test_a_missing_image_dir_or_a_file_for_a_directory_is_an_error(tmp_path):
