@@ -13,6 +13,7 @@ images and steps, a lower AP). The model and its schedule are `main.py --preset 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,14 +70,26 @@ def stages(size, out, seed):
 
 
 def run_stage(argv):
-    """Runs `python argv`, echoing its output; returns (exit status, output lines)."""
+    """Runs `python argv`, echoing its output; returns (exit status, output lines).
+
+    Ctrl-C or SIGTERM sends the stage SIGTERM and goes on echoing until it ends: training then stops after a
+    checkpoint (mrcnn_tf2.runtime.stop_signals), which a rerun resumes from. Left to themselves, this script
+    would end at once and the stage, writing to a closed pipe, would fail before its checkpoint. A second
+    signal reaches the stage as a second SIGTERM, which stops it at once.
+    """
     process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1)
+    previous = {signum: signal.signal(signum, lambda *_: process.send_signal(signal.SIGTERM))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     lines = []
-    for line in process.stdout:
-        print(line, end="", flush=True)
-        lines.append(line)
-    return process.wait(), lines
+    try:
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+        return process.wait(), lines
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def summarise(out, inference_lines):

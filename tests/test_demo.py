@@ -3,8 +3,11 @@ from scratch (400 steps at 96x96), evaluates, draws and benchmarks, and its mode
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -40,3 +43,32 @@ def test_quick_demo_runs_every_stage_and_learns(tmp_path):
     with open(tmp_path / "model" / "log.jsonl") as f:
         scores = [r["loss_rpn_score"] for r in map(json.loads, f) if r["event"] == "metrics"]
     assert scores[-1] < 0.5 * scores[0], scores
+
+
+def test_ctrl_c_lets_the_running_stage_stop_as_it_does_on_sigterm_and_echoes_it(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import demo
+    finally:
+        sys.path.pop(0)
+    ready = tmp_path / "ready"
+    # A stage that, like training, takes a moment after SIGTERM to write what it has and says so.
+    stage = (f"import pathlib, signal, sys, time\n"
+             f"def stop(signum, frame):\n"
+             f"    print('stopping', flush=True); time.sleep(0.5); print('checkpoint written', flush=True)\n"
+             f"    sys.exit(128 + signum)\n"
+             f"signal.signal(signal.SIGTERM, stop)\n"
+             f"pathlib.Path({str(ready)!r}).touch()\n"
+             f"time.sleep(120)\n")
+
+    def ctrl_c():
+        deadline = time.time() + 60
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    status, lines = demo.run_stage(["-c", stage])
+    assert (status, lines) == (128 + signal.SIGTERM, ["stopping\n", "checkpoint written\n"])
+    assert signal.getsignal(signal.SIGINT) is before
