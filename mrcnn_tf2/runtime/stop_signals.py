@@ -22,7 +22,8 @@ def name(signum):
 
 
 class StopSignals:
-    """A context in which SIGINT and SIGTERM set `signum` (0 until one comes) instead of acting at once.
+    """A context in which SIGINT and SIGTERM set `signum` (0 until one comes; then the first) instead of acting at
+    once.
 
     announce: None, or f(signum) -> the line written to standard error when the signal comes (os.write, which
     a signal handler may call while the main thread is inside a print).
@@ -36,8 +37,10 @@ class StopSignals:
         self._previous = {}
 
     def _handle(self, signum, frame):
-        self.signum = signum
         signal.signal(signum, self._previous.pop(signum))
+        if self.signum:  # already stopping: the first signal names the stop (Ctrl-C of `make demo` sends two kinds)
+            return
+        self.signum = signum
         if self.announce is not None:
             os.write(2, (self.announce(signum) + "\n").encode())
 
