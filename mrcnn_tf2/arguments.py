@@ -17,7 +17,7 @@ import os
 from mrcnn_tf2 import presets
 from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, EXPORT_FORMATS, MODEL_DEFINING_KEYS,
                               PER_COMMAND_KEYS, PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, SAVED_MODEL_FILE, Config,
-                              ConfigError, field_paths, load_saved_config)
+                              ConfigError, field_paths, load_saved_config, show_value)
 from mrcnn_tf2.status import BAD_INPUT
 
 MODES = ("train", "eval", "infer", "export")
@@ -199,6 +199,8 @@ _FLAGS = {
                   "off: the pure-TF twins (the convs still follow the device). The choice is printed at start"),
     ),
 }
+# config path -> its flag, for errors that name a setting by its path.
+_FLAG_OF_KEY = {path: f"--{flag}" for flag, (path, _) in _FLAGS.items()}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -303,20 +305,21 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
         source = sources.get(path, "")
         if path in saved and not source.startswith("saved config") and config.get(path) != saved[path]:
             key = source.split(" ")[0]
-            raise ConfigError(key, f"{path} = {_show(config.get(path))} contradicts {_show(saved[path])} "
+            raise ConfigError(key, f"{path} = {show_value(config.get(path))} contradicts {show_value(saved[path])} "
                                    f"saved in {saved_file}, which the checkpoints there were trained with "
                                    "(use another --model_dir for a different model)")
     resolved = config.resolved()
     for path in field_paths(resolved):
         if resolved.get(path) != config.get(path):
             sources[path] = "rule (Config.resolved: pretrained weights or not)"
-    resolved.validate()
+    try:
+        resolved.validate()
+    except ConfigError as err:  # validate names a setting by its key, which the user may know by its flag
+        raise ConfigError(_FLAG_OF_KEY.get(err.key, err.key), err.message) from None
     return resolved, {path: sources[path] for path in field_paths(resolved)
                       if path in sources and resolved.get(path) != _DEFAULTS.get(path)}
 
 
-def _show(value) -> str:
-    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

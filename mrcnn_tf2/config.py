@@ -490,12 +490,23 @@ class Config:
         if self.data.jpeg_dct_method not in JPEG_DCT_METHODS:
             raise ConfigError("data.jpeg_dct_method",
                               f"'{self.data.jpeg_dct_method}' is not one of {JPEG_DCT_METHODS}")
-        for key, value in (("data.resize_min_size", self.data.resize_min_size),
-                           ("data.pad_to_multiple", self.data.pad_to_multiple)):
-            if value is not None and value < 1:
-                raise ConfigError(key, f"{value} must be >= 1 (or none)")
-        if self.data.resize_max_size < 1:
-            raise ConfigError("data.resize_max_size", f"{self.data.resize_max_size} must be >= 1")
+        for key, low, high in RANGES:
+            value = self.get(key)
+            for item in value if isinstance(value, tuple) else (value,):
+                if item is not None and not ((low is None or item >= low) and (high is None or item <= high)):
+                    bound = f"lie in [{low}, {high}]" if high is not None else f"be >= {low}"
+                    raise ConfigError(key, f"{show_value(value)} must {bound}")
+        rpn, roi = self.model.rpn, self.model.roi
+        if rpn.rpn_negative_overlap > rpn.rpn_positive_overlap:
+            raise ConfigError("model.rpn.rpn_negative_overlap", f"{rpn.rpn_negative_overlap} exceeds "
+                              f"model.rpn.rpn_positive_overlap {rpn.rpn_positive_overlap}")
+        if roi.bg_thresh_lo > roi.bg_thresh_hi:
+            raise ConfigError("model.roi.bg_thresh_lo", f"{roi.bg_thresh_lo} exceeds model.roi.bg_thresh_hi "
+                              f"{roi.bg_thresh_hi}")
+        for key in POSITIVE:
+            value = self.get(key)
+            if any(item is not None and item <= 0 for item in (value if isinstance(value, tuple) else (value,))):
+                raise ConfigError(key, f"{show_value(value)} must be > 0")
         if self.model.num_classes < 2:
             raise ConfigError("--num_classes", f"{self.model.num_classes}: need background and >= 1 class")
         for key in ("model.fpn_norm", "model.fast_rcnn_norm", "model.mrcnn_head_norm"):
@@ -503,50 +514,49 @@ class Config:
                 raise ConfigError(key, f"'{self.get(key)}' is not one of {NORMS}")
         if self.model.fast_rcnn_num_fcs not in (1, 2):
             raise ConfigError("model.fast_rcnn_num_fcs", f"{self.model.fast_rcnn_num_fcs} must be 1 or 2")
-        if self.model.fast_rcnn_num_convs < 0:
-            raise ConfigError("model.fast_rcnn_num_convs", f"{self.model.fast_rcnn_num_convs} must be >= 0")
         anchors = self.model.anchors
         if not 2 <= anchors.min_level <= anchors.max_level:
             raise ConfigError("model.anchors.min_level", f"levels {anchors.min_level}..{anchors.max_level} invalid")
-        if self.train.clip_grad_norm is not None and not self.train.clip_grad_norm > 0:
-            raise ConfigError("--clip_grad_norm", f"{self.train.clip_grad_norm} must be > 0")
-        if self.train.warmup_min_steps < 0:
-            raise ConfigError("train.warmup_min_steps", f"{self.train.warmup_min_steps} must be >= 0")
-        for key, count in (
-            ("--train_batch_size", self.train.train_batch_size),
-            ("train.learning_rate_batch_size", self.train.learning_rate_batch_size),
-            ("--eval_batch_size", self.eval.eval_batch_size),
-            ("--accumulate_steps", self.train.accumulate_steps),
-            ("--epochs", self.train.epochs),
-            ("--log_every", self.runtime.log_every),
-            ("--benchmark_steps", self.runtime.benchmark_steps),
-            ("--checkpoint_every", self.runtime.checkpoint_every),
-            ("--keep_checkpoints", self.runtime.keep_checkpoints),
-            ("model.rpn_head_num_convs", self.model.rpn_head_num_convs),
-            ("model.fast_rcnn_conv_dim", self.model.fast_rcnn_conv_dim),
-        ):
-            if count < 1:
-                raise ConfigError(key, f"{count} must be >= 1")
-        for key, count in (
-            ("--steps_per_epoch", self.train.steps_per_epoch),
-            ("--eval_samples", self.eval.eval_samples),
-            ("--eval_every_epochs", self.eval.eval_every_epochs),
-        ):
-            if count is not None and count < 1:
-                raise ConfigError(key, f"{count} must be >= 1")
-        for key, value in (
-            ("--min_bbox_map", self.eval.min_bbox_map),
-            ("--min_mask_map", self.eval.min_mask_map),
-            ("--visualize_score_threshold", self.infer.visualize_score_threshold),
-        ):
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ConfigError(key, f"{value} must lie in [0, 1]")
         for key, value in (("--min_bbox_map", self.eval.min_bbox_map), ("--min_mask_map", self.eval.min_mask_map)):
             if value is not None and not self.eval.eval_file:
                 raise ConfigError(key, "stopping at a target AP needs --eval_file (the validation annotations)")
         if self.eval.min_mask_map is not None and not self.model.include_mask:
             raise ConfigError("--min_mask_map", "the model has no mask branch (model.include_mask=false)")
 
+
+# The bounds of each numeric setting, checked by Config.validate before anything runs, inclusive (None: no bound;
+# each item of a tuple is checked; a setting whose default is None may be None). Out of range, a setting failed
+# deep in TensorFlow or NumPy (a gather of no masks at data.max_num_instances=0, a crop at data.gt_mask_size=0,
+# the seeding at --seed -1) or trained something else without a word (no RPN sample at
+# model.rpn.rpn_batch_size_per_im=0, no positive anchor past an overlap of 1).
+_COUNTS = ("train.train_batch_size", "train.learning_rate_batch_size", "eval.eval_batch_size", "train.accumulate_steps",
+           "train.epochs", "runtime.log_every", "runtime.benchmark_steps", "runtime.checkpoint_every",
+           "runtime.keep_checkpoints", "data.gt_mask_size", "data.max_num_instances", "data.resize_max_size",
+           "model.fpn_num_filters", "model.rpn_head_num_convs", "model.fast_rcnn_mlp_head_dim",
+           "model.fast_rcnn_conv_dim", "model.mrcnn_head_num_filters", "model.mrcnn_resolution",
+           "model.anchors.num_scales", "model.rpn.rpn_batch_size_per_im", "model.rpn.train_rpn_pre_nms_topn",
+           "model.rpn.train_rpn_post_nms_topn", "model.rpn.test_rpn_pre_nms_topn", "model.rpn.test_rpn_post_nms_topn",
+           "model.roi.batch_size_per_im", "model.test.test_detections_per_image", "export.calibration_images",
+           "train.steps_per_epoch", "eval.eval_samples", "eval.eval_every_epochs", "data.resize_min_size",
+           "data.pad_to_multiple")
+_NON_NEGATIVE = ("model.fast_rcnn_num_convs", "train.warmup_min_steps", "runtime.log_warmup_steps",
+                 "model.rpn.rpn_min_size", "model.test.test_min_box_size", "train.init_learning_rate",
+                 "train.learning_rate_values", "train.momentum", "train.l2_weight_decay",
+                 "model.loss.rpn_box_loss_weight", "model.loss.fast_rcnn_box_loss_weight",
+                 "model.loss.mrcnn_weight_loss_mask")
+_FRACTIONS = ("model.rpn.rpn_positive_overlap", "model.rpn.rpn_negative_overlap", "model.rpn.rpn_fg_fraction",
+              "model.rpn.train_rpn_nms_threshold", "model.rpn.test_rpn_nms_thresh", "model.roi.fg_fraction",
+              "model.roi.fg_thresh", "model.roi.bg_thresh_hi", "model.roi.bg_thresh_lo", "model.test.test_nms",
+              "model.test.test_score_threshold", "model.anchors.anchor_offset", "eval.min_bbox_map",
+              "eval.min_mask_map", "infer.visualize_score_threshold")
+RANGES = tuple((key, low, high) for keys, low, high in (
+    (_COUNTS, 1, None), (_NON_NEGATIVE, 0, None), (_FRACTIONS, 0, 1),
+    (("train.seed",), 0, 2 ** 32 - 1),  # NumPy's and Keras's seeds
+    # The stem (0) and ResNet's four residual groups (model.backbone.STEM_GROUP .. NUM_GROUPS).
+    (("model.freeze_blocks",), 0, 4),
+) for key in keys)
+# The settings that must be above 0 (None allowed where it is the default).
+POSITIVE = ("model.anchors.anchor_scale", "model.bbox_reg_weights", "train.clip_grad_norm")
 
 # The values a checkpoint's weights are tied to: a saved run's value of one of these cannot be changed by
 # a later command on the same model_dir (the weights would not fit, or would mean something else).
@@ -577,6 +587,11 @@ MASK_PASTES = ("exact", "torchvision")
 NORMS = ("none", "batch")
 JPEG_DCT_METHODS = ("", "INTEGER_FAST", "INTEGER_ACCURATE")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def show_value(value) -> str:
+    """A setting's value as a flag takes it: (832, 1344) -> '832 1344'."""
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def parse_value(text: str, hint):

@@ -273,6 +273,19 @@ def main_status(argv, capsys):
         (["--eval_file", "/e.json", "--min_mask_map", "0.3", "--config_override", "model.include_mask=false"],
          ["--min_mask_map", "no mask branch"]),
         (["--eval_file", "/nonexistent/e.json"], ["--eval_file", "no such file /nonexistent/e.json"]),
+        # Numeric settings out of range (config.RANGES, POSITIVE), named by their flag where they have one.
+        (["--seed", "-1"], ["--seed: -1 must lie in [0, 4294967295]"]),
+        (["--config_override", "train.train_batch_size=0"], ["--train_batch_size: 0 must be >= 1"]),
+        (["--learning_rate_values", "0.1", "-1", "0.01"], ["--learning_rate_values: 0.1 -1.0 0.01 must be >= 0"]),
+        (["--config_override", "data.max_num_instances=0"], ["data.max_num_instances: 0 must be >= 1"]),
+        (["--config_override", "model.rpn.rpn_batch_size_per_im=0"], ["model.rpn.rpn_batch_size_per_im: 0 must"]),
+        (["--config_override", "model.rpn.rpn_positive_overlap=1.5"],
+         ["model.rpn.rpn_positive_overlap: 1.5 must lie in [0, 1]"]),
+        (["--config_override", "model.rpn.rpn_negative_overlap=0.8"],
+         ["model.rpn.rpn_negative_overlap: 0.8 exceeds model.rpn.rpn_positive_overlap 0.7"]),
+        (["--config_override", "model.freeze_blocks=[1,5]"], ["model.freeze_blocks: 1 5 must lie in [0, 4]"]),
+        (["--config_override", "model.bbox_reg_weights=[10,10,0,5]"], ["model.bbox_reg_weights: 10.0 10.0 0.0 5.0"]),
+        (["--clip_grad_norm", "0"], ["--clip_grad_norm: 0.0 must be > 0"]),
     ],
 )
 def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys):
@@ -618,3 +631,17 @@ def test_ctrl_c_outside_trainings_own_stop_is_one_line_and_status_130(monkeypatc
     monkeypatch.setitem(cli.RUNNERS, "export", "interrupted_runner")
     assert main.main(["export"]) == 130
     assert capsys.readouterr().err.splitlines()[-1] == "main.py: interrupted (SIGINT)"
+
+
+def test_every_range_checked_is_a_numeric_setting_and_the_blocks_range_is_the_backbones():
+    from mrcnn_tf2.config import POSITIVE, RANGES
+    from mrcnn_tf2.model import backbone
+
+    defaults = Config()
+    for key in [key for key, _, _ in RANGES] + list(POSITIVE):
+        value = defaults.get(key)
+        items = value if isinstance(value, tuple) else (value,)
+        assert all(type(item) in (int, float) for item in items if item is not None), key
+    assert [(low, high) for key, low, high in RANGES if key == "model.freeze_blocks"] == [
+        (backbone.STEM_GROUP, backbone.NUM_GROUPS)]
+    defaults.validate()  # the defaults lie in their ranges
