@@ -141,9 +141,9 @@ def check_record_images(coco_gt, images, eval_file):
     images: {image id: (file name, height, width)} of the records (`pipeline.evaluation_images`; "" and 0 where a
     record lacks them, which are then not compared; nor are entries without file_name, height or width).
 
-    Raises ConfigError naming --eval_file when it lacks some of the ids, or when the file names of all the ids it
-    has differ from the records' (the annotations of other images under the same ids: every AP would be
-    scored against other objects). Warns (UserWarning) when the file names of only some differ, and when
+    Raises ConfigError naming --eval_file when it lacks some of the ids, or when every file name compared differs
+    from the record's (the annotations of other images under the same ids: every AP would be scored against
+    other objects). Warns (UserWarning) when the file names of only some differ, and when
     sizes differ (the converter keeps an image whose JSON size is wrong: its image_size_mismatch warning).
     """
     missing = sorted(set(images) - set(coco_gt.imgs))
@@ -163,7 +163,7 @@ def check_record_images(coco_gt, images, eval_file):
             other_sizes.append((image_id, (height, width), (entry["height"], entry["width"])))
     if other_names:
         image_id, name, annotated = other_names[0]
-        found = (f"image id {image_id} is {name!r} in the validation records and {annotated!r} in {eval_file}")
+        found = f"image id {image_id} is {name!r} in the validation records and {annotated!r} in {eval_file}"
         if len(other_names) == compared:
             raise ConfigError("--eval_file", f"{eval_file} is the annotation file of other images: {found}, and "
                               f"each of the {compared} file names differs")
