@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +202,19 @@ def run_main(argv):
         return main.main([str(arg) for arg in argv])
     except SystemExit as exit_:
         return exit_.code
+
+
+def lines_until(process, marker, seconds):
+    """The lines of `process`'s text stdout up to the first that holds `marker`. Raises AssertionError, with the
+    lines read, when the process ends first or `seconds` have passed at a line."""
+    deadline = time.time() + seconds
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if marker in line:
+            return lines
+        assert time.time() < deadline, f"no {marker!r} within {seconds} s:\n" + "".join(lines[-50:])
+    raise AssertionError(f"the process ended before {marker!r}:\n" + "".join(lines[-50:]))
 
 
 def main_py(*args):

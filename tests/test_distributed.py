@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from mrcnn_tf2 import cli
 from mrcnn_tf2.runtime import distributed
-from tests.support import ROOT, SMALL_FLAGS, combined_batch, main_py, read_log, run_main, sync_config, trainer_for
+from tests.support import (ROOT, SMALL_FLAGS, combined_batch, lines_until, main_py, read_log, run_main, sync_config,
+                           trainer_for)
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 # A job whose rank died must be over within this many seconds of the death.
@@ -279,13 +280,7 @@ def test_a_dead_rank_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, shapes
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_update_with_rank_0s_checkpoint(tmp_path, shapes_records):
     job = train_under_horovodrun(tmp_path, shapes_records["data_dir"], "--steps_per_epoch", "50", "--epochs", "1",
                                  "--checkpoint_every", "100")
-    deadline = time.time() + 240
-    lines = []
-    for line in job.stdout:
-        lines.append(line)
-        if "[train] step 2/50" in line:
-            break
-        assert time.time() < deadline, "".join(lines)
+    lines = lines_until(job, "[train] step 2/50", 240)
     # Rank 1, which writes nothing: without the ranks' agreement rank 0 would wait for it in the next update
     # until the launcher ended the job, and write no checkpoint.
     rank_process(job, 1).send_signal(signal.SIGTERM)

@@ -21,8 +21,8 @@ from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
 from mrcnn_tf2.status import FAILURE
-from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, main_py,
-                           read_log, run_main, small_config, synthetic_batch, trainer_for)
+from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, lines_until,
+                           main_py, read_log, run_main, small_config, synthetic_batch, trainer_for)
 
 
 def test_schedule_warms_up_linearly_then_steps_at_the_boundaries():
@@ -215,13 +215,7 @@ def test_sigterm_stops_training_after_the_update_under_way_with_its_checkpoint(t
     # No periodic checkpoint before the signal: the one the run leaves is the stop's own.
     process = start_training(tmp_path, shapes_records["data_dir"], "--steps_per_epoch", "50", "--epochs", "1",
                              "--checkpoint_every", "100")
-    deadline = time.time() + 300
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("[train] step 2/50"):
-            break
-        assert time.time() < deadline, "".join(lines)
+    lines = lines_until(process, "[train] step 2/50", 300)
     process.send_signal(signal.SIGTERM)
     output = "".join(lines) + process.communicate(timeout=120)[0]
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
