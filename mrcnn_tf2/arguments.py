@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 
 from mrcnn_tf2 import presets
@@ -338,9 +339,17 @@ def check_inputs(mode: str, config: Config) -> None:
     written = [("--model_dir", config.runtime.model_dir)]
     if mode == "infer":
         written.append(("--output_dir", config.infer.resolved_output_dir(config.runtime.model_dir)))
+    if mode == "train" and config.runtime.log_tensorboard:
+        written.append(("--log_tensorboard", config.runtime.log_tensorboard))
     for flag, directory in written:
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise ConfigError(flag, f"{directory} is a file, not a directory")
+    log_file = config.runtime.log_file
+    if mode == "train" and log_file and os.path.isdir(log_file):
+        raise ConfigError("--log_file", f"{log_file} is a directory: name the JSON-lines file")
+    if mode == "train" and log_file and os.path.isfile(log_file) and not _is_run_log(log_file):
+        raise ConfigError("--log_file", f"{log_file} is not a run's log (its first line is no JSON record of an "
+                          "event), and training appends to it: name a new file or a run's log.jsonl")
     backbone = config.train.backbone_checkpoint
     if mode == "train" and backbone and not os.path.isfile(f"{backbone}.index"):
         raise ConfigError("--backbone_checkpoint", f"{backbone} is not a checkpoint prefix (no {backbone}.index): give "
@@ -359,6 +368,20 @@ def check_inputs(mode: str, config: Config) -> None:
     for explicit, pattern in patterns:
         if not glob.glob(pattern):
             raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
+
+
+def _is_run_log(path):
+    """Whether the file `path` is empty or starts as a run's JSON-lines log (runtime.logger): a record with an
+    event. Reads at most its first MiB (an annotation file, one long line, is then no record)."""
+    with open(path, "rb") as f:
+        first = f.readline(2 ** 20)
+    if not first.strip():
+        return True
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "event" in record
 
 
 def exported_directory(path):

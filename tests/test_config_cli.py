@@ -612,12 +612,15 @@ def test_the_predictor_path_is_a_model_directory_an_artefact_or_an_error_naming_
     assert arguments.config_for_path(tmp_path / "model.onnx").infer.exported == str(tmp_path / "model.onnx")
 
 
-@pytest.mark.parametrize("mode, flag", [("train", "--model_dir"), ("eval", "--model_dir"), ("infer", "--output_dir")])
+@pytest.mark.parametrize("mode, flag", [("train", "--model_dir"), ("eval", "--model_dir"), ("infer", "--output_dir"),
+                                        ("train", "--log_tensorboard")])
 def test_a_file_where_a_run_writes_its_directory_is_named_before_anything_starts(tmp_path, mode, flag):
     (tmp_path / "file").write_text("mine")
     argv = [mode, "--model_dir", str(tmp_path / ("file" if flag == "--model_dir" else "run"))]
     if flag == "--output_dir":
         argv += ["--output_dir", str(tmp_path / "file"), "--input", str(tmp_path)]
+    if flag == "--log_tensorboard":
+        argv += ["--log_tensorboard", str(tmp_path / "file")]
     with pytest.raises(ConfigError, match=f"^{flag}: {tmp_path / 'file'} is a file, not a directory$"):
         arguments.check_inputs(mode, arguments.parse(argv)[1])
 
@@ -645,3 +648,23 @@ def test_every_range_checked_is_a_numeric_setting_and_the_blocks_range_is_the_ba
     assert [(low, high) for key, low, high in RANGES if key == "model.freeze_blocks"] == [
         (backbone.STEM_GROUP, backbone.NUM_GROUPS)]
     defaults.validate()  # the defaults lie in their ranges
+
+
+def test_training_appends_its_log_only_to_a_runs_log_or_a_new_file(tmp_path):
+    def check(log_file):
+        arguments.check_inputs("train", arguments.parse(["train", "--model_dir", str(tmp_path / "run"), "--data_dir",
+                                                         str(tmp_path), "--log_file", str(log_file)])[1])
+
+    (tmp_path / "train-0.tfrecord").write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"^--log_file: {tmp_path} is a directory: name the JSON-lines file$"):
+        check(tmp_path)
+    # A file that is not a run's log (an annotation file named by mistake) would get lines appended to it.
+    (tmp_path / "instances_train.json").write_text(json.dumps({"images": [], "annotations": []}))
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    for name in ("instances_train.json", "notes.txt"):
+        with pytest.raises(ConfigError, match=f"^--log_file: {tmp_path / name} is not a run's log"):
+            check(tmp_path / name)
+    (tmp_path / "log.jsonl").write_text(json.dumps({"event": "start", "time": 1.0}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    for name in ("log.jsonl", "empty.jsonl", "new.jsonl"):
+        check(tmp_path / name)
