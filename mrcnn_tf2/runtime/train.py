@@ -326,11 +326,12 @@ class Trainer:
         batches = iter(self.dataset(start))
         first = next(batches)
         batches = itertools.chain([first], batches)
+        trained = not runtime.benchmark and start >= self.total_steps
         # Evaluation on the validation set (with --eval_file), which may stop the run at the target AP. Under
         # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop. Made before
         # the config and any checkpoint are written: an annotation file of other images stops the run here.
         evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
-                     if not runtime.benchmark else None)
+                     if not (runtime.benchmark or trained) else None)
         if start == 0 and self.world.is_chief:
             notice = self._initialisation_notice()
             if notice:
@@ -341,7 +342,7 @@ class Trainer:
                      global_batch_size=self.global_batch_size)
         if self.world.is_chief:
             config.save(runtime.model_dir)  # what eval, infer, export and a resumed run start from
-        if not runtime.benchmark and start >= self.total_steps:
+        if trained:
             logger.event("done", step=start, message="already trained to the last step")
             return status.OK
         last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
