@@ -231,6 +231,27 @@ def test_sigterm_stops_training_after_the_update_under_way_with_its_checkpoint(t
     assert not (tmp_path / "train.lock").exists()
 
 
+# Budget: a training process that loses its console, then stopped, with the test's own deadlines of 300 + 120 s.
+@pytest.mark.timeout(480)
+@pytest.mark.slow
+def test_training_outlives_its_console_and_still_stops_with_a_checkpoint(tmp_path, shapes_records):
+    # `main.py train | tee log` stopped by Ctrl-C: tee ends at once, and training writes its next lines into a
+    # closed pipe.
+    process = start_training(tmp_path, shapes_records["data_dir"], "--steps_per_epoch", "50", "--epochs", "1",
+                             "--checkpoint_every", "100")
+    lines_until(process, "[train] step 2/50", 300)
+    process.stdout.close()
+    deadline = time.time() + 120
+    while max(r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics") < 4:
+        assert process.poll() is None, "training ended with its console"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    (stopped,) = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "stopped"]
+    assert stopped["step"] >= 4 and tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{stopped['step']}")
+
+
 def test_a_stop_signal_waits_for_the_loop_and_a_second_one_acts_as_before():
     from mrcnn_tf2.runtime.stop_signals import StopSignals
 

@@ -27,6 +27,7 @@ import sys
 
 import tensorflow as tf
 
+from mrcnn_tf2.console import say
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
@@ -339,10 +340,10 @@ class InputPipeline:
         if source_id not in self.overflowed:
             self.overflowed.add(source_id)
             capacity = self.data.max_num_instances
-            print(f"[data] warning: training record with source_id {source_id} holds {count} objects, more than "
-                  f"data.max_num_instances ({capacity}): the last {count - capacity} are left out of its targets, "
-                  f"where they count as background (--config_override data.max_num_instances={count} keeps them)",
-                  file=sys.stderr, flush=True)
+            say(f"[data] warning: training record with source_id {source_id} holds {count} objects, more than "
+                f"data.max_num_instances ({capacity}): the last {count - capacity} are left out of its targets, "
+                f"where they count as background (--config_override data.max_num_instances={count} keeps them)",
+                sys.stderr)
         return True
 
     def preprocess_train(self, index, serialized):

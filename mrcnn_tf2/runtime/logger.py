@@ -12,6 +12,8 @@ import os
 import time
 
 import tensorflow as tf
+
+from mrcnn_tf2.console import say
 from tensorflow.core.framework import summary_pb2
 
 # TensorBoard shows a record as a scalar when it carries this metadata. tf.summary.scalar, which adds it,
@@ -41,7 +43,7 @@ class RunLogger:
         self._write({"event": name, "time": time.time(), **fields})
         if self.verbose and echo:
             details = " ".join(f"{k} {v}" for k, v in fields.items())
-            print(f"[train] {name} {details}", flush=True)
+            say(f"[train] {name} {details}")
 
     def metrics(self, step, values, line, event="metrics"):
         """A record of `values` at update `step`: JSON line (of kind `event`), TensorBoard scalars, and
@@ -54,7 +56,7 @@ class RunLogger:
                         tf.summary.write(name, tf.constant(value, tf.float32), metadata=_SCALAR_METADATA)
             self.writer.flush()
         if self.verbose:
-            print(line, flush=True)
+            say(line)
 
     def graph(self, graph, default_dir):
         """Writes `graph` (a tf.Graph) for TensorBoard's Graphs tab into the summary directory, or into

@@ -42,7 +42,10 @@ class StopSignals:
             return
         self.signum = signum
         if self.announce is not None:
-            os.write(2, (self.announce(signum) + "\n").encode())
+            try:
+                os.write(2, (self.announce(signum) + "\n").encode())
+            except OSError:  # no console any more (console.say): the stop goes on without the line
+                pass
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
