@@ -46,11 +46,8 @@ def test_quick_demo_runs_every_stage_and_learns(tmp_path):
 
 
 def test_ctrl_c_lets_the_running_stage_stop_as_it_does_on_sigterm_and_echoes_it(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import demo
-    finally:
-        sys.path.pop(0)
+    from scripts import demo
+
     ready = tmp_path / "ready"
     # A stage that, like training, takes a moment after SIGTERM to write what it has and says so.
     stage = (f"import pathlib, signal, sys, time\n"

@@ -38,6 +38,9 @@ FORBIDDEN = {
               "keras"},
     "status": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "tensorflow",
                "keras"},
+    # Lines for the console of a long run (console.say): used by the data pipeline and the runtime's logger.
+    "console": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "status",
+                "tensorflow", "keras"},
     # The device a run computes on: asked by config-level and model code, so it imports no package layer
     # (TensorFlow only inside its function).
     "devices": {"ops", "model", "runtime", "data", "evaluation", "config", "arguments", "cli", "files", "status",
