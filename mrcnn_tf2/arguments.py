@@ -321,8 +321,6 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
                       if path in sources and resolved.get(path) != _DEFAULTS.get(path)}
 
 
-
-
 def config_from_args(args: argparse.Namespace) -> Config:
     """The validated Config of `args` (see config_with_sources). Raises ConfigError."""
     return config_with_sources(args)[0]

@@ -492,10 +492,9 @@ class Config:
                               f"'{self.data.jpeg_dct_method}' is not one of {JPEG_DCT_METHODS}")
         for key, low, high in RANGES:
             value = self.get(key)
-            for item in value if isinstance(value, tuple) else (value,):
-                if item is not None and not ((low is None or item >= low) and (high is None or item <= high)):
-                    bound = f"lie in [{low}, {high}]" if high is not None else f"be >= {low}"
-                    raise ConfigError(key, f"{show_value(value)} must {bound}")
+            if any(not (low <= item and (high is None or item <= high)) for item in _items(value)):
+                bound = f"lie in [{low}, {high}]" if high is not None else f"be >= {low}"
+                raise ConfigError(key, f"{show_value(value)} must {bound}")
         rpn, roi = self.model.rpn, self.model.roi
         if rpn.rpn_negative_overlap > rpn.rpn_positive_overlap:
             raise ConfigError("model.rpn.rpn_negative_overlap", f"{rpn.rpn_negative_overlap} exceeds "
@@ -505,7 +504,7 @@ class Config:
                               f"{roi.bg_thresh_hi}")
         for key in POSITIVE:
             value = self.get(key)
-            if any(item is not None and item <= 0 for item in (value if isinstance(value, tuple) else (value,))):
+            if any(item <= 0 for item in _items(value)):
                 raise ConfigError(key, f"{show_value(value)} must be > 0")
         if self.model.num_classes < 2:
             raise ConfigError("--num_classes", f"{self.model.num_classes}: need background and >= 1 class")
@@ -524,8 +523,8 @@ class Config:
             raise ConfigError("--min_mask_map", "the model has no mask branch (model.include_mask=false)")
 
 
-# The bounds of each numeric setting, checked by Config.validate before anything runs, inclusive (None: no bound;
-# each item of a tuple is checked; a setting whose default is None may be None). Out of range, a setting failed
+# The bounds of each numeric setting, checked by Config.validate before anything runs, inclusive (None: no upper
+# bound; each item of a tuple is checked; a setting whose default is None may be None). Out of range, a setting failed
 # deep in TensorFlow or NumPy (a gather of no masks at data.max_num_instances=0, a crop at data.gt_mask_size=0,
 # the seeding at --seed -1) or trained something else without a word (no RPN sample at
 # model.rpn.rpn_batch_size_per_im=0, no positive anchor past an overlap of 1).
@@ -587,6 +586,11 @@ MASK_PASTES = ("exact", "torchvision")
 NORMS = ("none", "batch")
 JPEG_DCT_METHODS = ("", "INTEGER_FAST", "INTEGER_ACCURATE")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _items(value):
+    """The numbers of a setting's value: the items of a tuple, a number alone, none of None."""
+    return value if isinstance(value, tuple) else () if value is None else (value,)
 
 
 def show_value(value) -> str:
