@@ -537,17 +537,18 @@ _COUNTS = ("train.train_batch_size", "train.learning_rate_batch_size", "eval.eva
            "model.rpn.train_rpn_post_nms_topn", "model.rpn.test_rpn_pre_nms_topn", "model.rpn.test_rpn_post_nms_topn",
            "model.roi.batch_size_per_im", "model.test.test_detections_per_image", "export.calibration_images",
            "train.steps_per_epoch", "eval.eval_samples", "eval.eval_every_epochs", "data.resize_min_size",
-           "data.pad_to_multiple")
+           "data.pad_to_multiple", "data.image_size")
 _NON_NEGATIVE = ("model.fast_rcnn_num_convs", "train.warmup_min_steps", "runtime.log_warmup_steps",
                  "model.rpn.rpn_min_size", "model.test.test_min_box_size", "train.init_learning_rate",
-                 "train.learning_rate_values", "train.momentum", "train.l2_weight_decay",
+                 "train.learning_rate_values", "train.l2_weight_decay",
                  "model.loss.rpn_box_loss_weight", "model.loss.fast_rcnn_box_loss_weight",
                  "model.loss.mrcnn_weight_loss_mask")
 _FRACTIONS = ("model.rpn.rpn_positive_overlap", "model.rpn.rpn_negative_overlap", "model.rpn.rpn_fg_fraction",
               "model.rpn.train_rpn_nms_threshold", "model.rpn.test_rpn_nms_thresh", "model.roi.fg_fraction",
               "model.roi.fg_thresh", "model.roi.bg_thresh_hi", "model.roi.bg_thresh_lo", "model.test.test_nms",
               "model.test.test_score_threshold", "model.anchors.anchor_offset", "eval.min_bbox_map",
-              "eval.min_mask_map", "infer.visualize_score_threshold")
+              "eval.min_mask_map", "infer.visualize_score_threshold",
+              "train.momentum")  # above 1 the velocity grows at every step: training diverges
 RANGES = tuple((key, low, high) for keys, low, high in (
     (_COUNTS, 1, None), (_NON_NEGATIVE, 0, None), (_FRACTIONS, 0, 1),
     (("train.seed",), 0, 2 ** 32 - 1),  # NumPy's and Keras's seeds

@@ -9,6 +9,6 @@ BAD_INPUT = 2
 
 
 def stopped_by(signum: int) -> int:
-    """A run that a signal stopped (SIGINT, SIGTERM; runtime.stop_signals): 128 + the signal's number, as a shell
-    reports a process that the signal ended (130 for SIGINT, 143 for SIGTERM)."""
+    """A run that a signal stopped (SIGINT, SIGTERM, SIGHUP; runtime.stop_signals): 128 + the signal's number, as a
+    shell reports a process that the signal ended (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP)."""
     return 128 + signum

@@ -19,6 +19,8 @@ import sys
 import time
 
 from mrcnn_tf2 import files
+from mrcnn_tf2.console import say
+from mrcnn_tf2.runtime import stop_signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,19 +74,20 @@ def stages(size, out, seed):
 def run_stage(argv):
     """Runs `python argv`, echoing its output; returns (exit status, output lines).
 
-    Ctrl-C or SIGTERM sends the stage SIGTERM and goes on echoing until it ends: training then stops after a
-    checkpoint (mrcnn_tf2.runtime.stop_signals), which a rerun resumes from. Left to themselves, this script
-    would end at once and the stage, writing to a closed pipe, would fail before its checkpoint. A second
-    signal reaches the stage as a second SIGTERM, which stops it at once.
+    Ctrl-C, SIGTERM or SIGHUP (a closed terminal) sends the stage SIGTERM and goes on echoing until it ends:
+    training then stops after a checkpoint (mrcnn_tf2.runtime.stop_signals), which a rerun resumes from. Left to
+    themselves, this script would end at once and the stage, writing to a closed pipe, would fail before its
+    checkpoint. A second signal reaches the stage as a second SIGTERM, which stops it at once. Echoing into a
+    console that is gone (console.say) is not an error.
     """
     process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1)
     previous = {signum: signal.signal(signum, lambda *_: process.send_signal(signal.SIGTERM))
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+                for signum in stop_signals.SIGNALS}
     lines = []
     try:
         for line in process.stdout:
-            print(line, end="", flush=True)
+            say(line.rstrip("\n"))
             lines.append(line)
         return process.wait(), lines
     finally:

@@ -286,6 +286,8 @@ def main_status(argv, capsys):
         (["--config_override", "model.freeze_blocks=[1,5]"], ["model.freeze_blocks: 1 5 must lie in [0, 4]"]),
         (["--config_override", "model.bbox_reg_weights=[10,10,0,5]"], ["model.bbox_reg_weights: 10.0 10.0 0.0 5.0"]),
         (["--clip_grad_norm", "0"], ["--clip_grad_norm: 0.0 must be > 0"]),
+        (["--momentum", "1.5"], ["--momentum: 1.5 must lie in [0, 1]"]),
+        (["--image_size", "0", "64"], ["--image_size: 0 64 must be >= 1"]),
     ],
 )
 def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys):

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import warnings
 
 import numpy as np
@@ -374,6 +375,45 @@ def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
     assert captured.err.startswith(f"[eval] error: --eval_file: {train_json} is the annotation file of other images: "
                                    "image id 1 is 'val_000001.jpg' in the validation records and 'train_000001.jpg'")
     assert "[model]" not in captured.out and not (model_dir / "eval_results.json").exists()
+
+
+def test_a_signal_on_any_rank_stops_every_ranks_evaluation_once_the_shares_are_in(trained_model, shapes_records):
+    from mrcnn_tf2.arguments import parse
+    from mrcnn_tf2.runtime.distributed import World
+    from mrcnn_tf2.runtime.evaluate import EvaluationStopped, annotations_of, run_evaluation
+    from mrcnn_tf2.runtime.predictor import open_backend
+
+    class TwoRanks:
+        """Horovod's object collectives as rank 0 of two sees them; rank 1 got `signum` while predicting."""
+
+        def __init__(self, signum):
+            self.signum, self.gathered = signum, []
+
+        def broadcast_object(self, obj, root_rank):
+            return obj
+
+        def allgather_object(self, obj):
+            self.gathered.append(obj)
+            return [obj, ([], [], 0, self.signum)]
+
+    _, config = parse(["eval", "--model_dir", str(trained_model), "--data_dir", shapes_records["data_dir"],
+                       "--eval_file", shapes_records["val_json"], "--eval_samples", "4", "--eval_batch_size", "1"])
+    backend, coco_gt = open_backend(config), annotations_of(config)
+    signalled = TwoRanks(signal.SIGTERM)
+    with pytest.raises(EvaluationStopped) as stopped:
+        run_evaluation(backend, config, coco_gt, world=World(2, 0, hvd=signalled))
+    # Rank 0 had no signal: it predicted its whole share (every second image) before it learnt of the stop.
+    assert stopped.value.signum == signal.SIGTERM
+    assert sorted(signalled.gathered[0][1]) == sorted(coco_gt.getImgIds())[:4:2]
+    # Its own signal: it stops before its next batch, and the other rank's share decides nothing.
+    asked = []
+    with pytest.raises(EvaluationStopped) as stopped:
+        run_evaluation(backend, config, coco_gt, world=World(2, 0, hvd=TwoRanks(0)),
+                       stopping=lambda: asked.append(1) or signal.SIGINT)
+    assert stopped.value.signum == signal.SIGINT and asked == [1]
+    quiet = TwoRanks(0)
+    evaluation = run_evaluation(backend, config, coco_gt, world=World(2, 0, hvd=quiet), stopping=lambda: 0)
+    assert evaluation.num_images == 2 and quiet.gathered[0][3] == 0
 
 
 def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_records, capsys):

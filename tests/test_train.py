@@ -1,11 +1,14 @@
 """`main.py train`: schedule, accumulation, non-finite losses, resume after SIGKILL, the stop on SIGTERM or SIGINT,
 corrupt checkpoints, benchmark, evaluation during training and the early stop at the target APs."""
 
+import fcntl
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
+import termios
 import time
 
 import keras
@@ -145,11 +148,14 @@ def test_non_finite_loss_stops_training_before_a_checkpoint(tmp_path, shapes_rec
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{failed_step - 1}")
 
 
-def start_training(model_dir, data_dir, *extra):
+def start_training(model_dir, data_dir, *extra, **popen):
+    """`main.py train` of the small model in a new process; `popen`: Popen's arguments (default: its output in
+    one text pipe)."""
+    popen = popen or dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.Popen(
         main_py("train", "--data_dir", data_dir, "--model_dir", str(model_dir), *SMALL_FLAGS,
                 "--steps_per_epoch", "4", "--epochs", "2", "--checkpoint_every", "2", "--log_every", "1", *extra),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, **popen)
 
 
 def training_flags(model_dir, data_dir):
@@ -250,6 +256,35 @@ def test_training_outlives_its_console_and_still_stops_with_a_checkpoint(tmp_pat
     assert process.wait(timeout=120) == 128 + signal.SIGTERM
     (stopped,) = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "stopped"]
     assert stopped["step"] >= 4 and tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{stopped['step']}")
+
+
+# Budget: a training process whose terminal closes after its second update, with the test's own deadlines of
+# 300 + 120 s.
+@pytest.mark.timeout(480)
+@pytest.mark.slow
+def test_a_terminal_that_closes_stops_training_after_its_checkpoint(tmp_path, shapes_records):
+    # An ssh connection that drops: the kernel sends SIGHUP to the processes of the terminal's session, and
+    # their writes to it fail from then on (EIO).
+    controller, terminal = os.openpty()
+
+    def lead_a_session_on_the_terminal():
+        os.setsid()
+        fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
+
+    process = start_training(tmp_path, shapes_records["data_dir"], "--steps_per_epoch", "50", "--epochs", "1",
+                             "--checkpoint_every", "100", stdin=terminal, stdout=terminal, stderr=terminal,
+                             preexec_fn=lead_a_session_on_the_terminal)
+    os.close(terminal)
+    shown, deadline = b"", time.time() + 300
+    while b"[train] step 2/50" not in shown:
+        assert process.poll() is None and time.time() < deadline, shown.decode()[-3000:]
+        if select.select([controller], [], [], 1)[0]:
+            shown += os.read(controller, 65536)
+    os.close(controller)
+    assert process.wait(timeout=120) == 128 + signal.SIGHUP
+    (stopped,) = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "stopped"]
+    assert stopped["reason"].startswith("SIGHUP; checkpoint of step")
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f"ckpt-{stopped['step']}")
 
 
 def test_a_stop_signal_waits_for_the_loop_and_a_second_one_acts_as_before():
@@ -437,6 +472,38 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     tags = {value.tag for path in tf.io.gfile.glob(str(tmp_path / "tb" / "*"))
             for event in tf.compat.v1.train.summary_iterator(path) for value in event.summary.value}
     assert {"bbox/AP", "segm/AP", "loss_total"} <= tags
+
+
+def test_a_stop_signal_during_an_evaluation_abandons_it_and_keeps_the_steps_checkpoint(tmp_path, shapes_records,
+                                                                                         monkeypatch, capfd):
+    from mrcnn_tf2.evaluation import coco_metrics
+
+    convert, converted = coco_metrics.convert_detections, []
+
+    def signalled_in_the_first_batch(*args):
+        converted.append(args)
+        if len(converted) == 1:  # once: SIGTERM given back to its default would end the test's process
+            os.kill(os.getpid(), signal.SIGTERM)
+        return convert(*args)
+
+    monkeypatch.setattr(coco_metrics, "convert_detections", signalled_in_the_first_batch)
+    _, config = parse(["train", *SMALL_FLAGS, "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path),
+                       "--eval_file", shapes_records["val_json"], "--steps_per_epoch", "1", "--epochs", "3",
+                       "--eval_every_epochs", "1", "--eval_samples", "4", "--eval_batch_size", "1", "--log_every", "1"])
+    before = signal.getsignal(signal.SIGTERM)
+    assert train_runtime.Trainer(config).run() == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert len(converted) == 1  # the evaluation ended at its next batch, not after its 4 images
+    err = capfd.readouterr().err
+    assert "[train] SIGTERM: abandoning the evaluation of step 1, whose checkpoint is written" in err
+    log = read_log(tmp_path / "log.jsonl")
+    assert [r["event"] for r in log if r["event"] in ("metrics", "checkpoint", "eval", "stopped", "done")] == [
+        "metrics", "checkpoint", "stopped"]
+    (stopped,) = [r for r in log if r["event"] == "stopped"]
+    assert stopped["step"] == 1 and stopped["reason"].startswith(
+        f"SIGTERM; its evaluation abandoned (`main.py eval --model_dir {tmp_path}` scores the checkpoint); "
+        "checkpoint of step 1 written")
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")
 
 
 def from_scratch_losses(tmp_path, data_dir, *overrides):

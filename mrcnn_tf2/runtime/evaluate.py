@@ -33,6 +33,15 @@ DETECTIONS_FILE = "detections.json"
 AP_KEYS = {"bbox": coco_metrics.metric_key("bbox", "AP"), "mask": coco_metrics.metric_key("segm", "AP")}
 
 
+class EvaluationStopped(Exception):
+    """A stop signal came while `run_evaluation` was predicting (`stopping`): the evaluation is abandoned, on every
+    rank. `signum` is the signal's number (the largest of the ranks')."""
+
+    def __init__(self, signum):
+        super().__init__(f"evaluation abandoned on signal {signum}")
+        self.signum = signum
+
+
 @dataclasses.dataclass
 class Evaluation:
     """What one evaluation pass produced."""
@@ -65,7 +74,7 @@ def annotations_of(config, world=SINGLE_PROCESS):
     return coco_gt
 
 
-def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCESS):
+def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCESS, stopping=None):
     """Predicts over the validation images and scores the detections with COCOeval.
 
     Under a launcher every rank calls it: each predicts and encodes its share of the images (every
@@ -79,12 +88,16 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
       max_images: evaluate at most this many images (in file order); None: eval.eval_samples, and all
         images when that is None too.
       world: the process world (runtime.distributed.World).
+      stopping: None, or f() -> the number of a signal that stops training (0: none came), asked before each
+        batch (`runtime.stop_signals`).
 
     Returns:
       an `Evaluation` on rank 0 (its results sorted by image id); None on the other ranks.
 
     Raises:
       ValueError: max_images < 1, no validation image, or validation images that the annotation file lacks.
+      EvaluationStopped: `stopping` gave a signal on some rank; every rank raises it once the others have
+        ended their shares.
     """
     max_images = config.eval.eval_samples if max_images is None else max_images
     if max_images is not None and max_images < 1:
@@ -102,7 +115,12 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
     batches = iter(dataset)
     if own_size:
         batches = map(concat_batches, same_shape_batches(batches, batch_size, lambda b: tuple(b["images"].shape)))
+    signum = 0
     while True:
+        # Evaluating COCO's validation set takes an hour on a CPU: longer than any grace period after SIGTERM.
+        signum = stopping() if stopping is not None else 0
+        if signum:
+            break
         tic = time.perf_counter()
         batch = next(batches, None)
         if batch is None:
@@ -118,9 +136,13 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
         dropped += batch_dropped
         image_ids += outputs["source_ids"].tolist()
     if world.size > 1:
-        shares = world.allgather_object((results, image_ids, dropped))
+        # Each rank ends its share (a rank without the signal predicts it all) and learns here whether to stop.
+        shares = world.allgather_object((results, image_ids, dropped, signum))
         results, image_ids, dropped = ([r for share in shares for r in share[0]],
                                        [i for share in shares for i in share[1]], sum(share[2] for share in shares))
+        signum = max(share[3] for share in shares)
+    if signum:
+        raise EvaluationStopped(signum)
     if not image_ids:
         raise ValueError(f"no validation image in {pattern}.")
     if not world.is_chief:
@@ -185,13 +207,12 @@ class TrainingEvaluator:
         """Whether update `step` (1-based) ends an evaluation interval or the run."""
         return step == last_step or (self.interval is not None and step % self.interval == 0)
 
-    def evaluate_if_due(self, model, step, last_step, logger):
-        """Evaluates `model` when `due`, logs the result; returns True when training should stop (on every
-        rank: rank 0's decision)."""
-        if not self.due(step, last_step):
-            return False
+    def evaluate(self, model, step, logger, stopping=None):
+        """Evaluates `model` after update `step`, logs the result; returns True when training should stop (on
+        every rank: rank 0's decision). Raises EvaluationStopped when `stopping` (see `run_evaluation`) gives a
+        signal before the evaluation ends."""
         backend = ModelBackend(model, self.config, self.encode_masks, "the model in training")
-        evaluation = run_evaluation(backend, self.config, coco_gt=self.coco_gt, world=self.world)
+        evaluation = run_evaluation(backend, self.config, coco_gt=self.coco_gt, world=self.world, stopping=stopping)
         return self.world.broadcast_object(self.world.is_chief and self._report(evaluation, step, logger))
 
     def _report(self, evaluation, step, logger):

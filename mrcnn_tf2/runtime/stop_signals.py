@@ -1,10 +1,11 @@
-"""A training run stops cleanly on SIGINT (Ctrl-C) or SIGTERM (`docker stop`, Kubernetes, a batch scheduler that
-preempts or ends a job): it finishes the update under way, writes its checkpoint and exits with 128 + the
-signal's number (`status.stopped_by`), so that the same command resumes at that step rather than at the last
-periodic checkpoint (`--checkpoint_every`, 1000 updates by default).
+"""A training run stops cleanly on SIGINT (Ctrl-C), SIGTERM (`docker stop`, Kubernetes, a batch scheduler that
+preempts or ends a job) or SIGHUP (its terminal closed: an ssh connection that dropped): it finishes the update
+under way (or abandons an evaluation: `evaluate.run_evaluation`'s `stopping`), writes its checkpoint and exits
+with 128 + the signal's number (`status.stopped_by`), so that the same command resumes at that step rather than
+at the last periodic checkpoint (`--checkpoint_every`, 1000 updates by default).
 
 Only the first signal of each kind waits for the update: the handler then gives the signal back to what handled
-it before (Python's KeyboardInterrupt for SIGINT, the end of the process for SIGTERM), so that sending it again
+it before (Python's KeyboardInterrupt for SIGINT, the end of the process for the others), so that sending it again
 stops the process at once. A signal the process ignores (SIGINT of a job that a non-interactive shell started in
 the background) stays ignored.
 """
@@ -13,7 +14,7 @@ import os
 import signal
 import threading
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def name(signum):
@@ -22,8 +23,8 @@ def name(signum):
 
 
 class StopSignals:
-    """A context in which SIGINT and SIGTERM set `signum` (0 until one comes; then the first) instead of acting at
-    once.
+    """A context in which SIGINT, SIGTERM and SIGHUP set `signum` (0 until one comes; then the first) instead of
+    acting at once.
 
     announce: None, or f(signum) -> the line written to standard error when the signal comes (os.write, which
     a signal handler may call while the main thread is inside a print).

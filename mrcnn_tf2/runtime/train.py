@@ -38,7 +38,7 @@ from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
                                            find_checkpoint)
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
-from mrcnn_tf2.runtime.evaluate import TrainingEvaluator
+from mrcnn_tf2.runtime.evaluate import EvaluationStopped, TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
@@ -98,6 +98,7 @@ class Trainer:
         self.policy = set_precision(runtime.amp, runtime.amp_dtype, world)
         self.world = world
         self.num_workers, self.worker_index = world.size, world.rank
+        self.evaluating = None  # the step whose evaluation is under way (what a stop signal interrupts)
         # Opened before anything is built or read, so that a wrong path fails at once.
         self.init_checkpoint = self._open_init_checkpoint() if world.is_chief else None
         self.pattern = config.data.resolved_training_pattern()
@@ -368,20 +369,29 @@ class Trainer:
             # A signal (stop_signals) reaches the ranks at different moments: every rank stops after the same update.
             signum = self.world.max_over_ranks(stops.signum) if step < last else 0
             epoch_end = not runtime.benchmark and step % self.steps_per_epoch == 0
+            evaluation_due = evaluator is not None and evaluator.due(step, last)
             if step % runtime.log_every == 0 or step == last or signum:
                 self._log_metrics(logger, step, last, window, step_times, timer_start)
                 window = []
+            # Evaluations come at the end of an epoch or of the run, so after a checkpoint: a signal during one
+            # abandons it and keeps the step.
             if (self.world.is_chief and not runtime.benchmark
                     and (step % runtime.checkpoint_every == 0 or epoch_end or step == last or signum)):
                 logger.event("checkpoint", step=step, path=self.keeper.save(step))
             if signum:
                 return self._stop(logger, step, signum)
-            stop = False
-            if evaluator is not None:
-                paused = time.perf_counter()
-                stop = evaluator.evaluate_if_due(self.model, step, last, logger)
-                if timer_start is not None:
-                    timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
+            if not evaluation_due:
+                continue
+            paused = time.perf_counter()
+            self.evaluating = step
+            try:
+                stop = evaluator.evaluate(self.model, step, logger, stopping=lambda: stops.signum)
+            except EvaluationStopped as stopped:
+                return self._stop(logger, step, stopped.signum)
+            finally:
+                self.evaluating = None
+            if timer_start is not None:
+                timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
             if stop:
                 break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
@@ -391,9 +401,14 @@ class Trainer:
 
     def _stop_notice(self, signum):
         """The line rank 0 writes when `signum` comes (stop_signals.StopSignals's announce)."""
-        after = "the update under way" if self.config.runtime.benchmark else "the update under way and its checkpoint"
         name = stop_signals.name(signum)
-        return f"[train] {name}: stopping after {after} ({name} again: at once)"
+        if self.evaluating is not None:
+            what = f"abandoning the evaluation of step {self.evaluating}, whose checkpoint is written"
+        elif self.config.runtime.benchmark:
+            what = "stopping after the update under way"
+        else:
+            what = "stopping after the update under way and its checkpoint"
+        return f"[train] {name}: {what} ({name} again: at once)"
 
     def _stop(self, logger, step, signum):
         """Ends the run after update `step` on signal `signum`; returns the exit status."""
@@ -402,6 +417,9 @@ class Trainer:
         self.world.broadcast_object(None)
         saved = ("a benchmark writes no checkpoint" if self.config.runtime.benchmark
                  else f"checkpoint of step {step} written: the same command resumes from it")
+        if self.evaluating is not None:
+            saved = (f"its evaluation abandoned (`main.py eval --model_dir {self.config.runtime.model_dir}` scores "
+                     f"the checkpoint); {saved}")
         logger.event("stopped", step=step, reason=f"{stop_signals.name(signum)}; {saved}")
         return status.stopped_by(signum)
 
