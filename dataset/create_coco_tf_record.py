@@ -593,7 +593,8 @@ def convert_coco(
       annotations_file: COCO instances JSON.
       output_dir: destination, created if needed.
       tag: shard name prefix; None derives it from the annotation file's name (default_tag).
-      num_shards: number of shards, 1..MAX_SHARDS; None: default_num_shards(tag, number of images).
+      num_shards: number of shards, 1..MAX_SHARDS and at most the number of images; None:
+        default_num_shards(tag, number of images).
       include_masks: write image/object/mask and check segmentations.
       num_workers: processes decoding images; None: the CPUs available; 1: no extra process.
       skip_empty: leave out images without any non-crowd instance (after the checks).
@@ -622,6 +623,10 @@ def convert_coco(
         raise BadInputError(f"{output_dir}: the output directory is a file")
     if num_shards is None:
         num_shards = default_num_shards(tag, len(dataset["images"]))
+    elif num_shards > max(1, len(dataset["images"])):
+        # An empty shard leaves the training worker that reads it without records.
+        raise BadInputError(f"num_shards {num_shards} exceeds the {len(dataset['images'])} images of "
+                            f"{annotations_file}: shards would be empty")
 
     by_image, orphans = _group_annotations(dataset)
     categories = {category["id"]: category["name"] for category in dataset["categories"]}
@@ -732,9 +737,15 @@ def build_parser():
 
 
 def main(argv=None):
-    """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, or BAD_INPUT when the inputs cannot
-    be converted."""
+    """Command-line entry; returns the exit status (`mrcnn_tf2.status`): OK, BAD_INPUT when the inputs cannot
+    be converted, or that of the signal that stopped it (Ctrl-C, SIGTERM, SIGHUP; `status.run_stoppable`: the
+    temporary shards are removed first)."""
     args = build_parser().parse_args(argv)
+    return status.run_stoppable(lambda: _convert(args), os.path.basename(__file__))
+
+
+def _convert(args):
+    """main's conversion of the parsed `args`; returns the exit status."""
     try:
         summary = convert_coco(
             args.image_dir,

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 import tempfile
 
@@ -154,13 +153,10 @@ def start_world(mode):
 
 
 def main(argv=None) -> int:
-    """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status), or 130
-    after Ctrl-C (in training the second one: the first stops it after a checkpoint, runtime.stop_signals)."""
-    try:
-        return _run(argv)
-    except KeyboardInterrupt:
-        print("main.py: interrupted (SIGINT)", file=sys.stderr)
-        return status.stopped_by(signal.SIGINT)
+    """Runs one mode with `argv` (default: sys.argv[1:]); returns the exit status (mrcnn_tf2.status), or 128 + the
+    signal's number after Ctrl-C, SIGTERM or SIGHUP (in training the second one: the first stops it after a
+    checkpoint, runtime.stop_signals), once the run has unwound (status.run_stoppable)."""
+    return status.run_stoppable(lambda: _run(argv), "main.py")
 
 
 def _run(argv):

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -202,6 +203,18 @@ def run_main(argv):
         return main.main([str(arg) for arg in argv])
     except SystemExit as exit_:
         return exit_.code
+
+
+@contextlib.contextmanager
+def terminations_by_default():
+    """A context in which SIGTERM and SIGHUP have their default handlers, as in a command's process, whatever
+    the test runner set; the runner's come back after it."""
+    before = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def lines_until(process, marker, seconds):

@@ -4,8 +4,10 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 import main
 from mrcnn_tf2 import arguments, cli, presets
 from mrcnn_tf2.config import Config, ConfigError, field_paths
-from tests.support import ROOT, run_main
+from tests.support import ROOT, run_main, terminations_by_default
 
 
 # The defaults the foundation issue fixes (NVIDIA TF2 config.py, max_num_instances from TAO).
@@ -627,15 +629,28 @@ def test_a_file_where_a_run_writes_its_directory_is_named_before_anything_starts
         arguments.check_inputs(mode, arguments.parse(argv)[1])
 
 
-def test_ctrl_c_outside_trainings_own_stop_is_one_line_and_status_130(monkeypatch, capsys):
-    def interrupted(config):
-        raise KeyboardInterrupt
+def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_and_its_status(monkeypatch, capsys):
+    unwound = []
+
+    def signalled(config, signum=signal.SIGINT):
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler raises before this ends
+        finally:
+            unwound.append(signum)  # where the run removes its temporary files
 
     monkeypatch.setattr(cli, "check_inputs", lambda mode, config: None)
-    monkeypatch.setitem(sys.modules, "interrupted_runner", types.SimpleNamespace(run=interrupted))
-    monkeypatch.setitem(cli.RUNNERS, "export", "interrupted_runner")
+    monkeypatch.setitem(sys.modules, "signalled_runner", types.SimpleNamespace(run=signalled))
+    monkeypatch.setitem(cli.RUNNERS, "export", "signalled_runner")
     assert main.main(["export"]) == 130
-    assert capsys.readouterr().err.splitlines()[-1] == "main.py: interrupted (SIGINT)"
+    assert capsys.readouterr().err.splitlines()[-1] == "main.py: stopped by SIGINT"
+    with terminations_by_default():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            monkeypatch.setattr(sys.modules["signalled_runner"], "run", lambda config: signalled(config, signum))
+            assert main.main(["export"]) == 128 + signum
+            assert capsys.readouterr().err.splitlines()[-1] == f"main.py: stopped by {signal.Signals(signum).name}"
+            assert signal.getsignal(signum) is signal.SIG_DFL  # given back
+    assert unwound == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
 
 
 def test_every_range_checked_is_a_numeric_setting_and_the_blocks_range_is_the_backbones():

@@ -6,6 +6,7 @@ import glob
 import io
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from dataset import create_coco_tf_record as converter
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
 from mrcnn_tf2 import status
 from mrcnn_tf2.data.coco_io import TRANSPARENT_FILL, encode_jpeg
+from tests.support import terminations_by_default
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
 # compared separately so that no unexpected key slips in.
@@ -387,6 +389,18 @@ def test_a_missing_image_dir_or_a_file_for_a_directory_is_an_error(tmp_path):
         converter.convert_coco(str(tmp_path / "images"), annotations_file, annotations_file, progress=False)
 
 
+def test_more_shards_than_images_is_an_error_that_writes_nothing(tmp_path):
+    annotations_file = write_json(tmp_path / "instances_val.json", VALID)
+    (tmp_path / "images").mkdir()
+    images = len(VALID["images"])
+    # Empty shards would leave a training worker without records.
+    with pytest.raises(converter.BadInputError, match=f"num_shards {images + 1} exceeds the {images} images of "
+                                                      f".*instances_val.json: shards would be empty"):
+        converter.convert_coco(str(tmp_path / "images"), annotations_file, str(tmp_path / "out"),
+                               num_shards=images + 1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_conversion_that_writes_no_image_exits_2_naming_the_first_missing_file(tmp_path, capsys):
     """A wrong --image_dir (every file_name missing) stops with one line and no shard; the right one converts
     the 3 images into one shard, the default count for 3 images."""
@@ -529,6 +543,31 @@ def test_a_photo_annotated_upright_is_turned_by_its_exif_orientation(tmp_path):
                                [30 / 40, 36 / 40])
     for image_id, name in ((2, "quarter.jpg"), (3, "half.jpg"), (4, "square.jpg"), (5, "plain.jpg")):  # as stored
         assert records[image_id]["image/encoded"] == (image_dir / name).read_bytes()
+
+
+def test_a_conversion_stopped_by_sigterm_removes_its_temporary_shards(tmp_path, monkeypatch, capsys):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        write_jpeg(image_dir / name, 16, 16)
+    annotations_file = write_json(tmp_path / "instances_train.json", {
+        "images": [{"id": i, "file_name": n, "height": 16, "width": 16} for i, n in enumerate("abc", 1)],
+        "annotations": [], "categories": [{"id": 1, "name": "thing"}]})
+    convert, converted = converter.convert_image, []
+
+    def signalled_at_the_second_image(*args):
+        converted.append(args)
+        if len(converted) == 2:  # the first image's record is in its temporary shard by now
+            os.kill(os.getpid(), signal.SIGTERM)
+        return convert(*args)
+
+    monkeypatch.setattr(converter, "convert_image", signalled_at_the_second_image)
+    argv = ["--image_dir", image_dir, "--annotations_file", annotations_file, "--output_dir", tmp_path / "out",
+            "--noinclude_masks", "--num_shards", "2", "--num_workers", "1"]
+    with terminations_by_default():
+        assert converter.main([str(arg) for arg in argv]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1] == "create_coco_tf_record.py: stopped by SIGTERM"
+    assert len(converted) == 2 and os.listdir(tmp_path / "out") == []
 
 
 def test_without_masks_and_skip_empty(tmp_path):

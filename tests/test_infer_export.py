@@ -11,9 +11,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime import export, infer, predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
-from tests.support import SMALL_FLAGS
+from tests.support import ROOT, SMALL_FLAGS, main_py
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
 EXIF_ORIENTATION, ROTATE_90_CW = 0x0112, 6
@@ -452,6 +454,25 @@ def test_export_replaces_only_an_earlier_export_and_refuses_any_other_directory(
     shutil.copytree(exported, tmp_path / "artefacts", ignore=shutil.ignore_patterns("config.json"))
     with pytest.raises(ConfigError, match="is not an earlier export"):
         export.check_export_dir(str(tmp_path / "artefacts"))
+
+
+# Budget: an export process (the small model) stopped once its temporary directory appears.
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_an_export_stopped_by_sigterm_removes_its_temporary_directory(model_dir, tmp_path):
+    export_dir = tmp_path / "export"
+    process = subprocess.Popen(main_py("export", "--model_dir", model_dir, "--export_dir", export_dir, *SMALL_FLAGS),
+                               cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(tmp_path.glob("export.tmp-*")):
+        assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    err = process.communicate(timeout=60)[1]
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.splitlines()[-1] == "main.py: stopped by SIGTERM"
+    assert os.listdir(tmp_path) == []  # neither the export nor its temporary directory
 
 
 def test_export_without_a_checkpoint_exits_2_and_writes_nothing(tmp_path, capsys):

@@ -204,6 +204,24 @@ def test_fewer_records_than_workers_is_an_error(tmp_path, records):
         training_pipeline(make_config()).dataset(path, 1, 1, 2)
 
 
+def test_a_worker_whose_files_hold_no_record_is_an_error_on_every_worker(tmp_path, records):
+    full, empty = str(tmp_path / "train-0.tfrecord"), str(tmp_path / "train-1.tfrecord")
+    with tf.io.TFRecordWriter(full) as writer:
+        writer.write(next(iter(tf.data.TFRecordDataset(tf.io.gfile.glob(records[1])))).numpy())
+    with tf.io.TFRecordWriter(empty):
+        pass
+    pattern = str(tmp_path / "train-*.tfrecord")
+    training_pipeline(make_config()).dataset(pattern, 1, 0, 1)  # one worker reads both files: a record
+    # Two workers read a file each: worker 1 would wait forever for its first record. Both stop, with one message.
+    for worker in (0, 1):
+        with pytest.raises(ValueError, match=rf"^the 1 file\(s\) that worker 1 of 2 reads hold no record \(first: "
+                                             rf"{re.escape(empty)}, matched by"):
+            training_pipeline(make_config()).dataset(pattern, 1, worker, 2)
+    os.remove(full)
+    with pytest.raises(ValueError, match=r"^the 1 file\(s\) hold no record"):
+        training_pipeline(make_config()).dataset(pattern, 1, 0, 1)
+
+
 def test_crop_instance_masks_samples_at_pixel_centres():
     mask = np.zeros((1, 20, 30), np.uint8)
     mask[0, 4:12, 6:22] = 1  # rows 4..11, cols 6..21: box [4, 6, 12, 22] in continuous pixels

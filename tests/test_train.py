@@ -405,6 +405,26 @@ def test_an_eval_file_of_other_images_stops_training_before_its_first_update(tmp
     assert [r["event"] for r in read_log(tmp_path / "log.jsonl")] == []
 
 
+# Without the check the run waits forever for its first batch, inside TensorFlow, where the default (signal)
+# timeout cannot reach it.
+@pytest.mark.timeout(120, method="thread")
+def test_training_records_too_few_for_the_run_exit_2_naming_the_data_dir(tmp_path, shapes_records, capsys):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with tf.io.TFRecordWriter(str(data_dir / "train-00000-of-00001.tfrecord")):
+        pass  # what a converter that wrote more shards than images left
+    flags = ["train", "--data_dir", data_dir, "--model_dir", tmp_path / "model", *SMALL_FLAGS, "--epochs", "1"]
+    assert run_main([*flags, "--steps_per_epoch", "1"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"main.py: error: --data_dir: the 1 file(s) hold no record (first: {data_dir}/train-00000-of-00001.tfrecord")
+    with tf.io.TFRecordWriter(str(data_dir / "train-00000-of-00001.tfrecord")) as writer:
+        writer.write(next(iter(tf.data.TFRecordDataset(
+            tf.io.gfile.glob(os.path.join(shapes_records["data_dir"], "train-*"))))).numpy())
+    assert run_main([*flags, "--train_batch_size", "2"]) == 2  # the steps of an epoch counted from the records
+    assert capsys.readouterr().err.startswith(
+        f"main.py: error: --data_dir: {data_dir}/train*.tfrecord holds 1 records, fewer than one global batch of 2")
+
+
 def test_target_is_reached_when_every_given_ap_is_met():
     metrics = {"bbox/AP": 0.40, "segm/AP": 0.30}
     assert targets_reached(metrics, 0.377, 0.30)  # at the target counts

@@ -284,13 +284,21 @@ class InputPipeline:
         by_record = len(paths) < num_shards
         for path in paths if by_record else paths[shard_index::num_shards]:
             check_tfrecord_file(path, file_pattern)
-        if by_record:
-            # A worker left without records would spin forever in the repeated training input.
-            if int(tf.data.TFRecordDataset(paths).take(num_shards).reduce(0, lambda n, _: n + 1)) < num_shards:
-                raise ValueError(f"file pattern {file_pattern!r} holds fewer records than the {num_shards} "
-                                 "workers")
-            if shard_index == 0:
-                notice_record_sharding(file_pattern, len(paths), num_shards)
+        # A worker left without records would spin forever in the repeated training input. Every worker checks
+        # every share (one record each), so that all stop with the same message.
+        idle = next((worker for worker in range(num_shards)
+                     if not any(True for _ in worker_records(paths, worker, num_shards, training=False).take(1))),
+                    None)
+        if idle is not None and by_record:
+            raise ValueError(f"file pattern {file_pattern!r} holds fewer records than the {num_shards} workers")
+        if idle is not None:
+            own = paths[idle::num_shards]
+            reader = "" if num_shards == 1 else f" that worker {idle} of {num_shards} reads"
+            raise ValueError(f"the {len(own)} file(s){reader} hold no record (first: {own[0]}, matched by "
+                             f"{file_pattern!r}): convert the data into no more shards than it has images "
+                             "(dataset/create_coco_tf_record.py --num_shards)")
+        if by_record and shard_index == 0:
+            notice_record_sharding(file_pattern, len(paths), num_shards)
         return worker_records(paths, shard_index, num_shards, True, self.seed)
 
     def _pad_batch(self, batch):

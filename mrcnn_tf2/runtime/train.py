@@ -108,10 +108,9 @@ class Trainer:
             records = count_records(self.pattern)
             self.steps_per_epoch = records // self.global_batch_size
             if self.steps_per_epoch < 1:
-                raise ValueError(
-                    f"{self.pattern} holds {records} records, fewer than one global batch of "
-                    f"{self.global_batch_size} images: lower --train_batch_size or --accumulate_steps"
-                )
+                raise ConfigError("--data_dir", f"{self.pattern} holds {records} records, fewer than one global "
+                                  f"batch of {self.global_batch_size} images: lower --train_batch_size or "
+                                  "--accumulate_steps")
         self.total_steps = train.epochs * self.steps_per_epoch
         self.schedule = learning_rate_schedule(train, self.steps_per_epoch, self.global_batch_size,
                                                constant=runtime.benchmark)
@@ -300,8 +299,7 @@ class Trainer:
         else:
             logger = RunLogger(os.devnull, verbose=False)  # rank 0 reports for the job; errors still print
         try:
-            with stop_signals.StopSignals(self._stop_notice if self.world.is_chief else None) as stops:
-                return self._loop(logger, stops)
+            return self._loop(logger)
         except NonFiniteLossError as err:
             print(f"[train] error: {err}", file=sys.stderr)
             logger.event("stopped", reason=str(err))
@@ -316,7 +314,7 @@ class Trainer:
         finally:
             logger.close()
 
-    def _loop(self, logger, stops):
+    def _loop(self, logger):
         config, runtime = self.config, self.config.runtime
         accumulate = config.train.accumulate_steps
         if self.world.is_chief:
@@ -324,7 +322,10 @@ class Trainer:
             print(f"[train] {self.ops.describe()}", flush=True)
         start = self._restore_or_initialise(logger)
         # The first batch before anything is written, so that unreadable data stops the run first.
-        batches = iter(self.dataset(start))
+        try:
+            batches = iter(self.dataset(start))
+        except ValueError as err:  # files that are not TFRecords or hold too few records (pipeline.py)
+            raise ConfigError("--data_dir", str(err)) from None
         first = next(batches)
         batches = itertools.chain([first], batches)
         trained = not runtime.benchmark and start >= self.total_steps
@@ -352,48 +353,52 @@ class Trainer:
         self._log_graph(update, [first] * accumulate, logger)
         step_times, window = [], []
         timer_start = None
-        for step in range(start + 1, last + 1):
-            tic = time.perf_counter()
-            losses, skipped = update([next(batches) for _ in range(accumulate)])
-            values = {name: float(value) for name, value in losses.items()}  # waits for the step
-            toc = time.perf_counter()
-            self._check_finite(step, values)
-            if skipped:
-                logger.event("skipped", echo=False, step=step, loss_scale=float(self.optimizer.dynamic_scale))
-            done = step - start
-            if done == runtime.log_warmup_steps:
-                timer_start = toc
-            elif done > runtime.log_warmup_steps:
-                step_times.append(toc - tic)
-            window.append(values)
-            # A signal (stop_signals) reaches the ranks at different moments: every rank stops after the same update.
-            signum = self.world.max_over_ranks(stops.signum) if step < last else 0
-            epoch_end = not runtime.benchmark and step % self.steps_per_epoch == 0
-            evaluation_due = evaluator is not None and evaluator.due(step, last)
-            if step % runtime.log_every == 0 or step == last or signum:
-                self._log_metrics(logger, step, last, window, step_times, timer_start)
-                window = []
-            # Evaluations come at the end of an epoch or of the run, so after a checkpoint: a signal during one
-            # abandons it and keeps the step.
-            if (self.world.is_chief and not runtime.benchmark
-                    and (step % runtime.checkpoint_every == 0 or epoch_end or step == last or signum)):
-                logger.event("checkpoint", step=step, path=self.keeper.save(step))
-            if signum:
-                return self._stop(logger, step, signum)
-            if not evaluation_due:
-                continue
-            paused = time.perf_counter()
-            self.evaluating = step
-            try:
-                stop = evaluator.evaluate(self.model, step, logger, stopping=lambda: stops.signum)
-            except EvaluationStopped as stopped:
-                return self._stop(logger, step, stopped.signum)
-            finally:
-                self.evaluating = None
-            if timer_start is not None:
-                timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
-            if stop:
-                break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
+        # From the first update on, a stop signal waits for the update under way and its checkpoint; before it,
+        # when there is nothing to save, it acts at once (on a first batch slow to come, a trace).
+        with stop_signals.StopSignals(self._stop_notice if self.world.is_chief else None) as stops:
+            for step in range(start + 1, last + 1):
+                tic = time.perf_counter()
+                losses, skipped = update([next(batches) for _ in range(accumulate)])
+                values = {name: float(value) for name, value in losses.items()}  # waits for the step
+                toc = time.perf_counter()
+                self._check_finite(step, values)
+                if skipped:
+                    logger.event("skipped", echo=False, step=step,
+                                 loss_scale=float(self.optimizer.dynamic_scale))
+                done = step - start
+                if done == runtime.log_warmup_steps:
+                    timer_start = toc
+                elif done > runtime.log_warmup_steps:
+                    step_times.append(toc - tic)
+                window.append(values)
+                # A signal reaches the ranks at different moments: every rank stops after the same update.
+                signum = self.world.max_over_ranks(stops.signum) if step < last else 0
+                epoch_end = not runtime.benchmark and step % self.steps_per_epoch == 0
+                evaluation_due = evaluator is not None and evaluator.due(step, last)
+                if step % runtime.log_every == 0 or step == last or signum:
+                    self._log_metrics(logger, step, last, window, step_times, timer_start)
+                    window = []
+                # Evaluations come at the end of an epoch or of the run, so after a checkpoint: a signal during
+                # one abandons it and keeps the step.
+                if (self.world.is_chief and not runtime.benchmark
+                        and (step % runtime.checkpoint_every == 0 or epoch_end or step == last or signum)):
+                    logger.event("checkpoint", step=step, path=self.keeper.save(step))
+                if signum:
+                    return self._stop(logger, step, signum)
+                if not evaluation_due:
+                    continue
+                paused = time.perf_counter()
+                self.evaluating = step
+                try:
+                    stop = evaluator.evaluate(self.model, step, logger, stopping=lambda: stops.signum)
+                except EvaluationStopped as stopped:
+                    return self._stop(logger, step, stopped.signum)
+                finally:
+                    self.evaluating = None
+                if timer_start is not None:
+                    timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
+                if stop:
+                    break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
             self._report_benchmark(logger, step_times)
         logger.event("done", step=step, **self._skipped_summary())
