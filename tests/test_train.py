@@ -4,6 +4,7 @@ corrupt checkpoints, benchmark, evaluation during training and the early stop at
 import fcntl
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -582,6 +583,45 @@ def test_clip_grad_norm_scales_the_unscaled_update_to_the_norm(monkeypatch, poli
     if policy == "float32":  # float16 gradients of two runs differ in rounding: only their norm is exact
         for unclipped, clipped in zip(*deltas):
             np.testing.assert_allclose(clipped, unclipped / 4, rtol=1e-3, atol=1e-6 * rate)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_and_leaves_no_partial_files(tmp_path):
+    from mrcnn_tf2.runtime.checkpoints import CheckpointKeeper, CheckpointWriteError
+
+    keeper = CheckpointKeeper(str(tmp_path), 3, weights=tf.Variable(tf.zeros([512, 1024])))  # 2 MiB
+    keeper.save(1)
+    # Files past 1 MiB cannot grow, as on a full disk (a write then fails with EFBIG rather than ENOSPC).
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signalled = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # whose default ends the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+    try:
+        with pytest.raises(CheckpointWriteError) as raised:
+            keeper.save(2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, signalled)
+    assert str(raised.value) == (f"the checkpoint of step 2 could not be written in {tmp_path} (File too large); "
+                                 f"the newest checkpoint is {tmp_path}/ckpt-1, which rerunning the same command "
+                                 "resumes from once there is room")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+    assert keeper.save(3).endswith("ckpt-3")  # with room again, saving goes on
+
+
+def test_training_whose_checkpoint_cannot_be_written_stops_with_status_1_and_one_line(tmp_path, shapes_records,
+                                                                                    monkeypatch, capsys):
+    from mrcnn_tf2.runtime import checkpoints
+
+    def full(keeper, step):
+        raise checkpoints.CheckpointWriteError(f"the checkpoint of step {step} could not be written")
+
+    monkeypatch.setattr(checkpoints.CheckpointKeeper, "save", full)
+    _, config = parse(training_flags(tmp_path, shapes_records["data_dir"]))
+    assert train_runtime.Trainer(config).run() == FAILURE
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "[train] error: the checkpoint of step 2 could not be written")
+    log = read_log(tmp_path / "log.jsonl")
+    assert [r["step"] for r in log if r["event"] == "metrics"] == [1, 2]  # no update after it
+    assert log[-1]["event"] == "stopped" and log[-1]["reason"] == "the checkpoint of step 2 could not be written"
 
 
 def test_no_readable_checkpoint_names_the_cause_of_each(tmp_path):

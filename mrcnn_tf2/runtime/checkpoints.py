@@ -14,12 +14,14 @@ fit is one error naming each variable with both shapes rather than the restore's
 import collections
 import dataclasses
 import os
+import re
 import sys
 
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
+from mrcnn_tf2 import files
 from mrcnn_tf2.config import SAVED_CONFIG_FILE, ConfigError, load_saved_config
 
 INIT_FLAG = "--init_checkpoint"
@@ -32,6 +34,10 @@ NAMED_PROBLEMS = 5
 UNREADABLE = (tf.errors.OpError, IndexError, DecodeError)
 
 
+class CheckpointWriteError(Exception):
+    """A training checkpoint could not be written (`CheckpointKeeper.save`): training stops with status 1."""
+
+
 class CheckpointKeeper:
     """Saves and restores `tf.train.Checkpoint(**objects)` under `directory`, keeping `max_to_keep`."""
 
@@ -42,8 +48,23 @@ class CheckpointKeeper:
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
 
     def save(self, step):
-        """Writes the checkpoint of update `step` (an int) and returns its path."""
-        return self.manager.save(checkpoint_number=step)
+        """Writes the checkpoint of update `step` (an int) and returns its path.
+
+        Raises CheckpointWriteError when it cannot (a full disk, a file system gone), after removing what the
+        save wrote: its partial files would fill the disk further and are never read.
+        """
+        try:
+            return self.manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as err:
+            prefix = os.path.join(self.manager.directory, f"ckpt-{step}")
+            # TensorFlow writes into <prefix>_temp/ and then renames its files to <prefix>.index and .data-*.
+            for partial in tf.io.gfile.glob(f"{prefix}_temp*") + tf.io.gfile.glob(f"{prefix}.*"):
+                files.remove(partial)
+            latest = self.manager.latest_checkpoint
+            resume = (f"the newest checkpoint is {latest}" if latest else "there is no checkpoint yet") + (
+                ", which rerunning the same command resumes from once there is room")
+            raise CheckpointWriteError(f"the checkpoint of step {step} could not be written in "
+                                       f"{self.manager.directory} ({_reason(err)}); {resume}") from None
 
     def restore_latest(self):
         """Restores the newest readable checkpoint; returns its path, or None when there is none.
@@ -251,6 +272,13 @@ def _paths(root, children, key=lambda node: node):
                 paths[key(child)] = paths[key(node)] + (name,)
                 queue.append(child)
     return paths
+
+
+def _reason(err):
+    """What an error of a file operation says went wrong: 'No space left on device' of TensorFlow's
+    '{{function_node ...}} /path/ckpt-3_temp/part-...; No space left on device [Op:SaveV2]', else its first line."""
+    found = re.search(r"; ([^;]+?)(?: \[Op:\w+\])?$", _first_line(err))
+    return found.group(1) if found else _first_line(err)
 
 
 def _first_line(err):

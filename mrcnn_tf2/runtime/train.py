@@ -35,8 +35,8 @@ from mrcnn_tf2.model.factory import build_model, choose_ops
 from mrcnn_tf2.model.pretrained import check_backbone_metadata, load_backbone_checkpoint
 from mrcnn_tf2.runtime import model_dir_lock, stop_signals
 from mrcnn_tf2.runtime.benchmark import report_benchmark
-from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, TrainingCheckpoint, check_saved_model_config,
-                                           find_checkpoint)
+from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, CheckpointWriteError, TrainingCheckpoint,
+                                           check_saved_model_config, find_checkpoint)
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.evaluate import EvaluationStopped, TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
@@ -304,6 +304,11 @@ class Trainer:
             print(f"[train] error: {err}", file=sys.stderr)
             logger.event("stopped", reason=str(err))
             return status.FAILURE  # the message names the cause
+        except CheckpointWriteError as err:
+            print(f"[train] error: {err}", file=sys.stderr)
+            with contextlib.suppress(OSError):  # the log may be on the disk that is full
+                logger.event("stopped", echo=False, reason=str(err))
+            return status.FAILURE
         except tf.errors.InvalidArgumentError as err:
             found = record_problem(err)
             if found is None:
