@@ -166,6 +166,11 @@ _FLAGS = {
         "infer.visualize_score_threshold",
         dict(type=float, help="detections scoring below this are not drawn"),
     ),
+    "visualize_font": (
+        "infer.visualize_font",
+        dict(help="TrueType/OpenType font file (.ttf, .otf, .ttc) for the pictures' labels (None: Pillow's "
+                  "built-in font, ASCII only)"),
+    ),
     "exported": (
         "infer.exported",
         dict(help="infer, eval: run this exported artefact (model.onnx, model.tflite, openvino/model.xml, or an "
@@ -357,6 +362,11 @@ def check_inputs(mode: str, config: Config) -> None:
         raise ConfigError("--eval_file", f"no such file {config.eval.eval_file}")
     if mode == "infer" and config.infer.label_map and not os.path.isfile(config.infer.label_map):
         raise ConfigError("--label_map", f"no such file {config.infer.label_map}")
+    font = config.infer.visualize_font
+    if mode == "infer" and font and not config.infer.visualize:
+        raise ConfigError("--visualize_font", "draws the labels of --visualize's pictures: give --visualize too")
+    if mode == "infer" and font and not os.path.isfile(font):
+        raise ConfigError("--visualize_font", f"no such file {font}")
     patterns = []
     if mode == "train":
         patterns.append((data.training_file_pattern, data.resolved_training_pattern()))

@@ -296,6 +296,9 @@ class InferConfig:
     label_map: Optional[str] = None
     # Detections scoring below this are not drawn (all are written to predictions.json).
     visualize_score_threshold: float = 0.5
+    # A TrueType / OpenType font file for the pictures' labels; None: Pillow's built-in font, whose glyphs are
+    # ASCII only (class names in other scripts need a font that has them, e.g. Noto Sans CJK).
+    visualize_font: Optional[str] = None
     # An exported artefact (model.onnx, model.tflite, openvino/model.xml, or an export directory's SavedModel) that
     # infer and eval run in its runtime instead of model_dir's newest checkpoint; model_dir defaults to its
     # directory.

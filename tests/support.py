@@ -217,6 +217,31 @@ def terminations_by_default():
             signal.signal(signum, handler)
 
 
+def box_font(path, chars):
+    """Writes to `path` a TrueType font whose glyph of each of `chars` (and of the space) is a solid box, and
+    which has no other; returns `path` as a str."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    pen = TTGlyphPen(None)
+    for x, y in ((50, 0), (50, 700), (450, 700), (450, 0)):
+        (pen.lineTo if x != 50 or y != 0 else pen.moveTo)((x, y))
+    pen.closePath()
+    solid, empty = pen.glyph(), TTGlyphPen(None).glyph()
+    names = {ord(char): f"u{ord(char):04x}" for char in chars}
+    font = FontBuilder(1000, isTTF=True)
+    font.setupGlyphOrder([".notdef", "space", *names.values()])
+    font.setupCharacterMap({32: "space", **names})
+    font.setupGlyf({".notdef": empty, "space": empty, **{name: solid for name in names.values()}})
+    font.setupHorizontalMetrics({name: (500, 0) for name in [".notdef", "space", *names.values()]})
+    font.setupHorizontalHeader(ascent=800, descent=-200)
+    font.setupNameTable({"familyName": "Boxes", "styleName": "Regular"})
+    font.setupOS2()
+    font.setupPost()
+    font.save(str(path))
+    return str(path)
+
+
 def lines_until(process, marker, seconds):
     """The lines of `process`'s text stdout up to the first that holds `marker`. Raises AssertionError, with the
     lines read, when the process ends first or `seconds` have passed at a line."""

@@ -105,6 +105,7 @@ FLAG_DEFAULTS = {
     "visualize": False,
     "label_map": None,
     "visualize_score_threshold": 0.5,
+    "visualize_font": None,
     "export_dir": None,
 }
 
@@ -162,7 +163,7 @@ def test_flags_reach_the_config():
         "--eagerly --backbone resnet18 --image_size 256 320 --num_classes 5 --accumulate_steps 2 "
         "--benchmark --benchmark_steps 11 --min_bbox_map 0.3 --min_mask_map 0.2 --custom_ops off "
         "--eval_every_epochs 2 --input /photos --output_dir /o --visualize --label_map /labels.json "
-        "--visualize_score_threshold 0.3 --export_dir /x"
+        "--visualize_score_threshold 0.3 --visualize_font /f.ttf --export_dir /x"
     ).split()
     _, config = arguments.parse(argv)
     expected = {
@@ -209,6 +210,7 @@ def test_flags_reach_the_config():
         "infer.visualize": True,
         "infer.label_map": "/labels.json",
         "infer.visualize_score_threshold": 0.3,
+        "infer.visualize_font": "/f.ttf",
         "export.export_dir": "/x",
     }
     for path, value in expected.items():
@@ -627,6 +629,14 @@ def test_a_file_where_a_run_writes_its_directory_is_named_before_anything_starts
         argv += ["--log_tensorboard", str(tmp_path / "file")]
     with pytest.raises(ConfigError, match=f"^{flag}: {tmp_path / 'file'} is a file, not a directory$"):
         arguments.check_inputs(mode, arguments.parse(argv)[1])
+
+
+def test_a_visualize_font_needs_visualize_and_a_file(tmp_path):
+    font = str(tmp_path / "labels.ttf")
+    with pytest.raises(ConfigError, match="^--visualize_font: draws the labels of --visualize's pictures: give "):
+        arguments.check_inputs("infer", arguments.parse(["infer", "--visualize_font", font])[1])
+    with pytest.raises(ConfigError, match=f"^--visualize_font: no such file {font}$"):
+        arguments.check_inputs("infer", arguments.parse(["infer", "--visualize", "--visualize_font", font])[1])
 
 
 def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_and_its_status(monkeypatch, capsys):

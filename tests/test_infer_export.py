@@ -31,7 +31,7 @@ from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime import export, infer, predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
-from tests.support import ROOT, SMALL_FLAGS, main_py
+from tests.support import ROOT, SMALL_FLAGS, box_font, main_py
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
 EXIF_ORIENTATION, ROTATE_90_CW = 0x0112, 6
@@ -263,11 +263,16 @@ def photo_folder(tmp_path, photo):
 def test_infer_on_photos_skips_a_corrupt_file_and_writes_predictions_and_pictures(
         tmp_path, model_dir, photo_folder, photo, capsys):
     output_dir = tmp_path / "out"
+    font = box_font(tmp_path / "boxes.ttf", "abcdefghijklmnopqrstuvwxyz0123456789.é")
+    (tmp_path / "labels.json").write_text(json.dumps({"1": "étoile", "2": "круг", "3": "disc"}), encoding="utf-8")
     status = main.main(["infer", *SMALL_FLAGS, "--model_dir", model_dir, "--input", str(photo_folder),
-                        "--output_dir", str(output_dir), "--visualize", "--visualize_score_threshold", "0"])
+                        "--output_dir", str(output_dir), "--visualize", "--visualize_score_threshold", "0",
+                        "--label_map", str(tmp_path / "labels.json"), "--visualize_font", font])
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert f"cannot read {photo_folder / 'corrupt.jpg'}" in captured.err
+    assert (f"[infer] warning: {font} has no glyph for characters of 1 class name: 'круг' (круг); they draw as "
+            "boxes: --visualize_font FILE names a font that has them") in captured.err
     assert "1 unreadable files skipped" in captured.out
     with open(output_dir / "images.json") as f:
         images = {os.path.basename(image["file_name"]): image for image in json.load(f)}
@@ -291,6 +296,21 @@ def test_infer_on_photos_skips_a_corrupt_file_and_writes_predictions_and_picture
     assert (np.asarray(Image.open(output_dir / "colour.png")) != np.asarray(
         original.resize(visualize.drawn_size(height, width)[::-1], Image.Resampling.BILINEAR))).any()
     assert not [name for name in os.listdir(output_dir) if ".tmp" in name]
+
+
+def test_labels_are_drawn_in_the_font_given_and_the_characters_a_font_lacks_are_found(tmp_path):
+    font = box_font(tmp_path / "boxes.ttf", "abcdefghijklmnopqrstuvwxyz0123456789.é")
+    builtin, boxes = visualize.label_font(None, 16), visualize.label_font(font, 16)
+    assert visualize.missing_glyphs("étoile 0.90", builtin) == "é"  # Pillow's font: ASCII only
+    assert visualize.missing_glyphs("étoile 0.90", boxes) == ""
+    assert visualize.missing_glyphs("круг и 狗 Z", boxes) == "круги狗Z"  # each once, in order
+    image = np.full((64, 64, 3), 255, np.uint8)
+    ink = {}
+    for path in (None, font):
+        picture = visualize.draw_detections(image, np.array([[40.0, 8.0, 60.0, 56.0]]), np.array([1]),
+                                            np.array([0.9]), None, {1: "étoile"}, 0.5, path)
+        ink[path] = int((picture[:40 * 8] == 0).all(axis=-1).sum())  # the black text above the box
+    assert ink[font] > 3 * ink[None] > 0  # solid boxes for letters: the font given drew the label
 
 
 def test_infer_exits_2_when_no_image_can_be_read(tmp_path, model_dir, photo_folder, capsys):

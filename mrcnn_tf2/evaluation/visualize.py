@@ -6,8 +6,11 @@ MIN_DRAWN_SIDE: the labels' text then stays legible. Box outlines and the font g
 that a picture looks the same at any size. Masks are pasted at the drawn size, from the mask probabilities,
 with the threshold of the COCO results.
 
-This module draws only: it reads no file and writes none (`main.py infer` saves the pictures), and it
-must not import the runtime.
+Labels are drawn in Pillow's built-in font, whose glyphs are ASCII only, or in a TrueType / OpenType font file
+(`main.py infer --visualize_font`); a character the font lacks draws as a box (`missing_glyphs` finds them).
+
+This module draws only: it reads no file but the labels' font and writes none (`main.py infer` saves the
+pictures), and it must not import the runtime.
 
 Glossary: D detections, R the mask side, h x w the image's size, H' x W' the picture's.
 """
@@ -33,6 +36,24 @@ PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 13
            (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40))
 
 
+def label_font(path, size):
+    """The font labels are drawn in, `size` pixels tall: the TrueType / OpenType file `path` (.ttf, .otf, .ttc),
+    or Pillow's built-in font when `path` is None. Raises OSError when `path` is not a font file."""
+    return ImageFont.load_default(size) if path is None else ImageFont.truetype(path, size)
+
+
+def missing_glyphs(text, font):
+    """The characters of `text`, in order and once each, that `font` has no glyph for: it draws them as its
+    'missing' box, the drawing of a private-use code point that no font maps."""
+    missing = font.getmask("\U0010FFFD")
+
+    def lacks(char):
+        mask = font.getmask(char)
+        return mask.size == missing.size and bytes(mask) == bytes(missing)
+
+    return "".join(dict.fromkeys(char for char in text if not char.isspace() and lacks(char)))
+
+
 def drawn_size(height, width):
     """(H', W') of the picture of an h x w image: (h, w), or scaled up keeping the aspect ratio so that the
     shorter side is MIN_DRAWN_SIDE when it is shorter."""
@@ -40,7 +61,7 @@ def drawn_size(height, width):
     return int(round(height * scale)), int(round(width * scale))
 
 
-def draw_detections(image, boxes, classes, scores, masks, names, score_threshold):
+def draw_detections(image, boxes, classes, scores, masks, names, score_threshold, font_path=None):
     """The picture of `image` with each detection scoring >= score_threshold: mask overlay, box, 'name score'.
 
     Args:
@@ -51,6 +72,7 @@ def draw_detections(image, boxes, classes, scores, masks, names, score_threshold
         or None to draw boxes only.
       names: {class id: name}; ids it lacks are drawn as the id.
       score_threshold: detections below it are left out.
+      font_path: the labels' font file (`label_font`); None: Pillow's built-in font.
 
     Returns:
       [H', W', 3] uint8 RGB, a new array of `drawn_size(h, w)`: the image, scaled up when small, with the
@@ -75,7 +97,7 @@ def draw_detections(image, boxes, classes, scores, masks, names, score_threshold
         picture = Image.fromarray(np.clip(np.round(canvas), 0, 255).astype(np.uint8))
     scale = min(drawn_h, drawn_w) / MIN_DRAWN_SIDE
     line_width = max(1, int(round(BOX_WIDTH * scale)))
-    font = ImageFont.load_default(max(1, int(round(FONT_SIZE * scale))))
+    font = label_font(font_path, max(1, int(round(FONT_SIZE * scale))))
     draw = ImageDraw.Draw(picture)
     for (ymin, xmin, ymax, xmax), class_id, score, colour in zip(boxes.tolist(), classes, scores, colours):
         colour = tuple(int(v) for v in colour)

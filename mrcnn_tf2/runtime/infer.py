@@ -39,10 +39,11 @@ import tensorflow as tf
 from PIL import Image
 
 from mrcnn_tf2 import files, status
+from mrcnn_tf2.console import say
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import InputPipeline, unconverted
 from mrcnn_tf2.evaluation import coco_metrics
-from mrcnn_tf2.evaluation.visualize import draw_detections
+from mrcnn_tf2.evaluation.visualize import FONT_SIZE, draw_detections, label_font, missing_glyphs
 from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.predictor import Photo, Predictor, load_model, pad_batch, predict_function, read_image
 
@@ -101,6 +102,22 @@ def save_picture(path, picture):
         Image.fromarray(picture).save(temporary, format="PNG")
 
 
+def warn_missing_glyphs(names, font, font_path):
+    """Warns, in one line, of the class names that `font` (that of `font_path`, None: Pillow's built-in one)
+    cannot draw: their pictures would show boxes in place of those characters."""
+    lacking = {name: missing_glyphs(name, font) for name in names.values()}
+    lacking = {name: chars for name, chars in lacking.items() if chars}
+    if not lacking:
+        return
+    shown = ", ".join(f"{name!r} ({chars})" for name, chars in list(lacking.items())[:3])
+    more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+    font_name = "Pillow's built-in font (ASCII only)" if font_path is None else font_path
+    say(f"[infer] warning: {font_name} has no glyph for characters of {len(lacking)} class "
+        f"name{'s' if len(lacking) > 1 else ''}: {shown}{more}; "
+        "they draw as boxes: --visualize_font FILE names a font that has them (e.g. DejaVuSans.ttf for Latin, "
+        "Greek and Cyrillic, NotoSansCJK-Regular.ttc for Chinese, Japanese and Korean)", sys.stderr)
+
+
 def _picture_name(photo, taken):
     """A PNG file name for `photo` that is not in `taken` (the names given so far and the inputs' own)."""
     stem = os.path.splitext(os.path.basename(photo.name))[0]
@@ -133,10 +150,16 @@ def run(config):
     else:
         photos = photos_from_records(config.data.resolved_validation_pattern(), config.eval.eval_samples)
     try:
+        font = label_font(infer.visualize_font, FONT_SIZE) if infer.visualize else None
+    except OSError as err:
+        return _fail(f"--visualize_font: {infer.visualize_font} is not a font file Pillow reads ({err})")
+    try:
         predictor = Predictor(config=config)
     except ValueError as err:
         return _fail(str(err))
     names = predictor.names
+    if font is not None:
+        warn_missing_glyphs(names, font, infer.visualize_font)
     output_dir = infer.resolved_output_dir(config.runtime.model_dir)
     os.makedirs(output_dir, exist_ok=True)
     # A previous run's results must not pass for this run's until this run has completed.
@@ -160,7 +183,7 @@ def run(config):
                 picture = draw_detections(
                     photo.image, outputs["detection_boxes"][b, :count], outputs["detection_classes"][b, :count],
                     outputs["detection_scores"][b, :count], None if masks is None else masks[b, :count], names,
-                    infer.visualize_score_threshold)
+                    infer.visualize_score_threshold, infer.visualize_font)
                 save_picture(os.path.join(output_dir, _picture_name(photo, taken)), picture)
     coco_metrics.warn_dropped(dropped, names)
     if not images:
