@@ -7,6 +7,7 @@ the artefacts take inputs of any size; exported once per module, all formats tog
 import json
 import os
 import shutil
+import threading
 
 import keras
 import numpy as np
@@ -271,6 +272,33 @@ def test_predictor_gives_each_image_its_detections_in_its_own_pixels_from_a_chec
         np.testing.assert_array_equal(onnx(opened)["scores"], from_onnx[1]["scores"])
     with pytest.raises(ValueError, match=r"^image 1: an image array must be uint8 .* got float64 of shape"):
         onnx([paths[0], images[1] / 255.0])  # floats in [0, 1]: refused, not read as black
+
+
+@pytest.mark.parametrize("artefact", ["model.tflite", "openvino/model.xml", "model.onnx"])
+def test_threads_sharing_a_predictor_each_get_their_images_detections(exported, photo_files, artefact):
+    # A Predictor behind a web server that answers requests in threads.
+    paths = sorted(str(path) for path in photo_files.iterdir())
+    shared = predictor.Predictor(os.path.join(exported, artefact))
+    alone = {path: shared(path) for path in paths}
+    found, failures = [], []
+
+    def serve(first):
+        try:
+            for k in range(first, first + 6):
+                path = paths[k % len(paths)]
+                found.append((path, shared(path)))
+        except Exception as err:  # noqa: BLE001 - the failure is the test's finding
+            failures.append(repr(err))
+
+    threads = [threading.Thread(target=serve, args=(first,)) for first in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and len(found) == 24
+    for path, detections in found:
+        np.testing.assert_array_equal(detections["scores"], alone[path]["scores"], err_msg=path)
+        np.testing.assert_array_equal(detections["boxes"], alone[path]["boxes"], err_msg=path)
 
 
 def test_an_exported_path_that_is_not_an_artefact_is_one_line_naming_it(exported, tmp_path, capsys):

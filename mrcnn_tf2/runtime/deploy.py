@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import os
 import re
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -275,7 +276,7 @@ def matched_fraction(found, expected, min_iou=0.9, score_tolerance=0.01):
 
 class Runner:
     """An exported artefact in its runtime: `runner(images, image_info)` -> {output name: NumPy array}, with the
-    inputs and outputs of the module docstring."""
+    inputs and outputs of the module docstring. Threads may share one: their calls run one at a time."""
 
     def __init__(self, path):
         self.path = path
@@ -285,9 +286,14 @@ class Runner:
             self._run = getattr(self, f"_load_{self.format}")(path)
         except Exception as err:  # each runtime has its own exception types for a file it cannot read
             raise ConfigError("--exported", f"{path}: not a readable {self.format} model ({err})") from None
+        # LiteRT's interpreter and OpenVINO's infer request hold one call's tensors: calls from two threads (a
+        # Predictor behind a web server) fail ("Infer Request is busy") or read each other's tensors. Each call
+        # already uses every core, so running them in turn costs no throughput.
+        self._lock = threading.Lock()
 
     def __call__(self, images, image_info):
-        return self._run(np.asarray(images, np.float32), np.asarray(image_info, np.float32))
+        with self._lock:
+            return self._run(np.asarray(images, np.float32), np.asarray(image_info, np.float32))
 
     @staticmethod
     def _load_onnx(path):
