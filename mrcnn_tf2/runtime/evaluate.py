@@ -115,7 +115,6 @@ def run_evaluation(backend, config, coco_gt, max_images=None, world=SINGLE_PROCE
     batches = iter(dataset)
     if own_size:
         batches = map(concat_batches, same_shape_batches(batches, batch_size, lambda b: tuple(b["images"].shape)))
-    signum = 0
     while True:
         # Evaluating COCO's validation set takes an hour on a CPU: longer than any grace period after SIGTERM.
         signum = stopping() if stopping is not None else 0

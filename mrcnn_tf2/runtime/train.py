@@ -393,21 +393,28 @@ class Trainer:
                 if not evaluation_due:
                     continue
                 paused = time.perf_counter()
-                self.evaluating = step
-                try:
-                    stop = evaluator.evaluate(self.model, step, logger, stopping=lambda: stops.signum)
-                except EvaluationStopped as stopped:
-                    return self._stop(logger, step, stopped.signum)
-                finally:
-                    self.evaluating = None
+                reached, signum = self._evaluate(evaluator, step, logger, stops)
+                if signum:
+                    return self._stop(logger, step, signum, evaluation_abandoned=True)
                 if timer_start is not None:
                     timer_start += time.perf_counter() - paused  # evaluating is not training: keep img/s true
-                if stop:
+                if reached:
                     break  # the target APs are reached (the evaluator logged it); this step has its checkpoint
         if runtime.benchmark:
             self._report_benchmark(logger, step_times)
         logger.event("done", step=step, **self._skipped_summary())
         return status.OK
+
+    def _evaluate(self, evaluator, step, logger, stops):
+        """Evaluates the model after update `step`; returns (whether the target APs are reached, the number of the
+        signal that abandoned the evaluation, else 0)."""
+        self.evaluating = step
+        try:
+            return evaluator.evaluate(self.model, step, logger, stopping=lambda: stops.signum), 0
+        except EvaluationStopped as stopped:
+            return False, stopped.signum
+        finally:
+            self.evaluating = None
 
     def _stop_notice(self, signum):
         """The line rank 0 writes when `signum` comes (stop_signals.StopSignals's announce)."""
@@ -420,14 +427,15 @@ class Trainer:
             what = "stopping after the update under way and its checkpoint"
         return f"[train] {name}: {what} ({name} again: at once)"
 
-    def _stop(self, logger, step, signum):
-        """Ends the run after update `step` on signal `signum`; returns the exit status."""
+    def _stop(self, logger, step, signum, evaluation_abandoned=False):
+        """Ends the run after update `step` (and the evaluation of it that `signum` abandoned) on signal `signum`;
+        returns the exit status."""
         # The other ranks wait for rank 0's checkpoint: a launcher ends the whole job once one process exits with
         # a failure status.
         self.world.broadcast_object(None)
         saved = ("a benchmark writes no checkpoint" if self.config.runtime.benchmark
                  else f"checkpoint of step {step} written: the same command resumes from it")
-        if self.evaluating is not None:
+        if evaluation_abandoned:
             saved = (f"its evaluation abandoned (`main.py eval --model_dir {self.config.runtime.model_dir}` scores "
                      f"the checkpoint); {saved}")
         logger.event("stopped", step=step, reason=f"{stop_signals.name(signum)}; {saved}")
