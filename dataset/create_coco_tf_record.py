@@ -73,12 +73,14 @@ decode and check images with Pillow and pycocotools).
 """
 
 import argparse
+import concurrent.futures
 import glob
 import io
 import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -511,10 +513,17 @@ def _results(tasks, worker, num_workers):
     if num_workers <= 1:
         yield from map(worker, tasks)
         return
-    # Spawned, not forked: the parent may run TensorFlow's threads, whose locks a fork would copy.
-    chunksize = max(1, min(16, len(tasks) // (4 * num_workers)))
-    with multiprocessing.get_context("spawn").Pool(num_workers) as pool:
-        yield from pool.imap(worker, tasks, chunksize)
+    # Spawned, not forked: the parent may run TensorFlow's threads, whose locks a fork would copy. Ctrl-C reaches
+    # the workers too (one process group): they leave it to the parent, which stops them and removes the
+    # temporary shards, rather than each printing a KeyboardInterrupt traceback. A worker ended by a signal to
+    # the whole group (SLURM's scancel, systemd) breaks the executor, which stops the others; a
+    # multiprocessing.Pool instead waited forever for the queue lock such a worker held.
+    pool = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
+        yield from pool.map(worker, tasks, chunksize=max(1, min(16, len(tasks) // (4 * num_workers))))
+    finally:
+        pool.shutdown(cancel_futures=True)  # a stop: the images not begun are dropped, not converted first
 
 
 @dataclass

@@ -242,6 +242,24 @@ def box_font(path, chars):
     return str(path)
 
 
+def live_processes(group):
+    """[(pid, command)] of the processes of process group `group` that are not zombies (an orphan exited under a
+    container's first process may stay a zombie)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        state, _, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == group and state != "Z":
+            found.append((int(pid), command))
+    return found
+
+
 def lines_until(process, marker, seconds):
     """The lines of `process`'s text stdout up to the first that holds `marker`. Raises AssertionError, with the
     lines read, when the process ends first or `seconds` have passed at a line."""

@@ -6,7 +6,11 @@ import glob
 import io
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +23,7 @@ from dataset import create_coco_tf_record as converter
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
 from mrcnn_tf2 import status
 from mrcnn_tf2.data.coco_io import TRANSPARENT_FILL, encode_jpeg
-from tests.support import terminations_by_default
+from tests.support import ROOT, live_processes, terminations_by_default
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
 # compared separately so that no unexpected key slips in.
@@ -421,6 +425,39 @@ def test_a_conversion_that_writes_no_image_exits_2_naming_the_first_missing_file
     assert os.listdir(output_dir) == []
     assert converter.main(["--image_dir", str(image_dir), *argv]) == status.OK
     assert sorted(os.listdir(output_dir)) == ["train-00000-of-00001.tfrecord", "train_warnings.json"]
+
+
+# Budget: 3000 small images to write, then a conversion by two worker processes stopped midway.
+@pytest.mark.timeout(180, method="thread")  # a hang would be in the pool's locks, beyond the signal timeout
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_process_group_stops_the_workers_and_the_conversion_cleanly(tmp_path):
+    # SLURM's scancel and systemd send SIGTERM to every process of a job: the workers die holding the pool's
+    # queues, and multiprocessing.Pool's stop then waited forever.
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    for index in range(3000):
+        write_jpeg(image_dir / f"{index}.jpg", 32, 32, value=(index % 256, 90, 200))
+    annotations_file = write_json(tmp_path / "instances_train.json", {
+        "images": [{"id": i + 1, "file_name": f"{i}.jpg", "height": 32, "width": 32} for i in range(3000)],
+        "annotations": [], "categories": [{"id": 1, "name": "thing"}]})
+    process = subprocess.Popen(
+        [sys.executable, "dataset/create_coco_tf_record.py", "--image_dir", image_dir, "--annotations_file",
+         annotations_file, "--output_dir", tmp_path / "out", "--num_workers", "2", "--noinclude_masks"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    shown = ""
+    while not re.search(r"\b([1-9]\d{2,3})/3000\b", shown):  # a progress line: the workers are converting
+        line = process.stderr.readline()
+        assert line, f"the conversion ended first: {shown[-2000:]}"
+        shown += line.replace("\r", "\n")
+    os.killpg(process.pid, signal.SIGTERM)
+    err = process.communicate(timeout=60)[1]
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == "create_coco_tf_record.py: stopped by SIGTERM"
+    assert os.listdir(tmp_path / "out") == []  # no shard, no temporary
+    deadline = time.time() + 10  # no worker left behind, once those that are ending have ended
+    while live_processes(group=process.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert live_processes(group=process.pid) == []
 
 
 def test_worker_failure_leaves_no_shard_or_temporary(tmp_path, monkeypatch):
