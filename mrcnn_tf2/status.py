@@ -28,8 +28,10 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+class Received:
+    """The first signal `terminations_raise` acted on (`signum`, 0 before one comes)."""
+
+    signum = 0
 
 
 @contextlib.contextmanager
@@ -37,15 +39,25 @@ def terminations_raise():
     """A context in which SIGTERM and SIGHUP raise `Terminated` where the main thread is, as Ctrl-C raises
     KeyboardInterrupt, instead of ending the process at once: the process unwinds, so that its `finally` blocks
     remove their temporary files (`files.atomic_path`: an export or conversion killed midway leaves nothing) and
-    a trainer releases its model directory. A signal the process ignores (`nohup`) or handles stays so; leaving
-    the context restores the handlers. Outside the main thread it changes nothing."""
+    a trainer releases its model directory. Yields a `Received` that records the signal (and Ctrl-C's): raised
+    inside C++ that calls back into Python (TensorFlow's tracing), the exception can come out as another.
+
+    A signal the process ignores (`nohup`) or handles otherwise stays so; leaving the context restores the
+    handlers. Outside the main thread it changes nothing."""
+    received = Received()
+
+    def handle(signum, frame):
+        received.signum = received.signum or signum
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
     previous = {}
     with contextlib.suppress(ValueError):  # handlers can only be set in the main thread
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                previous[signum] = signal.signal(signum, _raise_terminated)
+        for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                                (signal.SIGHUP, signal.SIG_DFL)):
+            if signal.getsignal(signum) is default:
+                previous[signum] = signal.signal(signum, handle)
     try:
-        yield
+        yield received
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -55,13 +67,15 @@ def run_stoppable(run, command):
     """`run()`'s return value (an exit status), run under `terminations_raise`; after Ctrl-C, SIGTERM or SIGHUP,
     once the run has unwound, `stopped_by` the signal, having written '<command>: stopped by SIGTERM' to standard
     error."""
-    try:
-        with terminations_raise():
+    with terminations_raise() as received:
+        try:
             return run()
-    except KeyboardInterrupt:
-        signum = signal.SIGINT
-    except Terminated as stop:
-        signum = stop.signum
+        except (KeyboardInterrupt, Terminated):
+            signum = received.signum or signal.SIGINT  # a KeyboardInterrupt raised by code, not by a signal
+        except BaseException:
+            if not received.signum:
+                raise
+            signum = received.signum  # the signal's exception, turned into another by the C++ it was raised in
     with contextlib.suppress(OSError):  # no terminal any more (SIGHUP)
         print(f"{command}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
     return stopped_by(signum)
