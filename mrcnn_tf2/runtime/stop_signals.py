@@ -5,8 +5,9 @@ with 128 + the signal's number (`status.stopped_by`), so that the same command r
 at the last periodic checkpoint (`--checkpoint_every`, 1000 updates by default).
 
 Only the first signal of each kind waits for the update: the handler then gives the signal back to what handled
-it before (Python's KeyboardInterrupt for SIGINT, the end of the process for the others), so that sending it again
-stops the process at once. A signal the process ignores (SIGINT of a job that a non-interactive shell started in
+it before (under main.py `status.terminations_raise`: KeyboardInterrupt or `status.Terminated`, which unwind the
+process; otherwise KeyboardInterrupt for SIGINT and the end of the process for the others), so that sending it
+again stops the process at once. A signal the process ignores (SIGINT of a job that a non-interactive shell started in
 the background) stays ignored.
 """
 
