@@ -15,6 +15,8 @@ pictures), and it must not import the runtime.
 Glossary: D detections, R the mask side, h x w the image's size, H' x W' the picture's.
 """
 
+import functools
+
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
@@ -36,6 +38,7 @@ PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 13
            (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40))
 
 
+@functools.lru_cache(maxsize=16)  # read once, not for every picture (a CJK font file is 20 MB)
 def label_font(path, size):
     """The font labels are drawn in, `size` pixels tall: the TrueType / OpenType file `path` (.ttf, .otf, .ttc),
     or Pillow's built-in font when `path` is None. Raises OSError when `path` is not a font file."""

@@ -105,8 +105,7 @@ def save_picture(path, picture):
 def warn_missing_glyphs(names, font, font_path):
     """Warns, in one line, of the class names that `font` (that of `font_path`, None: Pillow's built-in one)
     cannot draw: their pictures would show boxes in place of those characters."""
-    lacking = {name: missing_glyphs(name, font) for name in names.values()}
-    lacking = {name: chars for name, chars in lacking.items() if chars}
+    lacking = {name: chars for name in names.values() if (chars := missing_glyphs(name, font))}
     if not lacking:
         return
     shown = ", ".join(f"{name!r} ({chars})" for name, chars in list(lacking.items())[:3])

@@ -12,9 +12,9 @@ import os
 import time
 
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 from mrcnn_tf2.console import say
-from tensorflow.core.framework import summary_pb2
 
 # TensorBoard shows a record as a scalar when it carries this metadata. tf.summary.scalar, which adds it,
 # lives in the tensorboard package, which TensorFlow >= 2.20 no longer installs: write it ourselves.

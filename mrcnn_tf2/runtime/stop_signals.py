@@ -7,8 +7,8 @@ at the last periodic checkpoint (`--checkpoint_every`, 1000 updates by default).
 Only the first signal of each kind waits for the update: the handler then gives the signal back to what handled
 it before (under main.py `status.terminations_raise`: KeyboardInterrupt or `status.Terminated`, which unwind the
 process; otherwise KeyboardInterrupt for SIGINT and the end of the process for the others), so that sending it
-again stops the process at once. A signal the process ignores (SIGINT of a job that a non-interactive shell started in
-the background) stays ignored.
+again stops the process at once. A signal the process ignores (SIGINT of a job that a non-interactive shell
+started in the background) stays ignored.
 """
 
 import os
