@@ -17,8 +17,8 @@ import os
 
 from mrcnn_tf2 import presets
 from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, EXPORT_FORMATS, MODEL_DEFINING_KEYS,
-                              PER_COMMAND_KEYS, PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, SAVED_MODEL_FILE, Config,
-                              ConfigError, field_paths, load_saved_config, show_value)
+                              PER_COMMAND_KEYS, PER_COMMAND_SECTIONS, SAVED_CONFIG_FILE, Config, ConfigError,
+                              exported_files, field_paths, load_saved_config, show_value)
 from mrcnn_tf2.status import BAD_INPUT
 
 MODES = ("train", "eval", "infer", "export")
@@ -407,14 +407,14 @@ def exported_directory(path):
 
 
 def config_for_path(path):
-    """The Config `Predictor(path)` runs: `main.py infer --model_dir path` for a model directory (one with
-    checkpoints), else `main.py infer --exported path`. Raises ConfigError."""
+    """The Config `Predictor(path)` runs: `main.py infer --exported path` for an artefact file or an export
+    directory (`exported_files`), else `main.py infer --model_dir path`. Raises ConfigError."""
     if path is None:
         raise ConfigError("path", "name a model directory or an exported artefact")
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ConfigError("path", f"{path}: no such file or directory")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, SAVED_MODEL_FILE)):
+    if os.path.isdir(path) and not exported_files(path):
         argv = ["infer", "--model_dir", path]
     else:
         argv = ["infer", "--exported", path]

@@ -29,6 +29,17 @@ SAVED_CONFIG_FILE = "config.json"
 SAVED_MODEL_FILE = "saved_model.pb"
 
 
+def exported_files(directory: str) -> list:
+    """The files of EXPORT_FILES that `directory` holds when it is an export directory (its config.json beside
+    at least one of them, and no training checkpoint, ckpt-N.index), in EXPORT_FILES' order; else []."""
+    if not os.path.isdir(directory):
+        return []
+    entries = os.listdir(directory)
+    if SAVED_CONFIG_FILE not in entries or any(name.endswith(".index") for name in entries):
+        return []
+    return [name for name in EXPORT_FILES.values() if os.path.isfile(os.path.join(directory, name))]
+
+
 class ConfigError(ValueError):
     """A setting is invalid. `key` names the flag or config key at fault, `message` what is wrong."""
 
@@ -582,9 +593,18 @@ PER_COMMAND_SECTIONS = ("infer.", "export.")
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 CUSTOM_OPS_MODES = ("auto", "on", "off")
-# `main.py export --format`: TensorFlow's SavedModel, and one graph per image for each other runtime (TFLite at
-# float32 and with float16 weights, OpenVINO at float32 and quantized to 8 bits).
-EXPORT_FORMATS = ("saved_model", "onnx", "tflite", "tflite_fp16", "openvino", "openvino_int8")
+# `main.py export --format` -> the file it writes in the export directory: TensorFlow's SavedModel, and one graph
+# per image for each other runtime (TFLite at float32 and with float16 weights, OpenVINO at float32 and quantized
+# to 8 bits; runtime/deploy.py converts to them).
+EXPORT_FILES = {
+    "saved_model": SAVED_MODEL_FILE,
+    "onnx": "model.onnx",
+    "tflite": "model.tflite",
+    "tflite_fp16": "model_fp16.tflite",
+    "openvino": "openvino/model.xml",
+    "openvino_int8": "openvino_int8/model.xml",
+}
+EXPORT_FORMATS = tuple(EXPORT_FILES)
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 MASK_PASTES = ("exact", "torchvision")
 NORMS = ("none", "batch")

@@ -616,6 +616,10 @@ def test_the_predictor_path_is_a_model_directory_an_artefact_or_an_error_naming_
     assert arguments.config_for_path(tmp_path).runtime.model_dir == str(tmp_path)  # a directory: a model directory
     (tmp_path / "model.onnx").write_text("x")
     assert arguments.config_for_path(tmp_path / "model.onnx").infer.exported == str(tmp_path / "model.onnx")
+    (tmp_path / "config.json").write_text("{}")  # an export directory: its config.json beside an artefact
+    assert arguments.config_for_path(tmp_path).infer.exported == str(tmp_path)
+    (tmp_path / "ckpt-1.index").write_text("x")  # a training checkpoint: a model directory after all
+    assert arguments.config_for_path(tmp_path).runtime.model_dir == str(tmp_path)
 
 
 @pytest.mark.parametrize("mode, flag", [("train", "--model_dir"), ("eval", "--model_dir"), ("infer", "--output_dir"),

@@ -18,6 +18,7 @@ from pycocotools import mask as mask_utils
 
 from mrcnn_tf2 import cli, status
 from mrcnn_tf2.arguments import parse
+from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.runtime import deploy, export, predictor
 from mrcnn_tf2.runtime.predictor import load_model
@@ -311,6 +312,26 @@ def test_an_exported_path_that_is_not_an_artefact_is_one_line_naming_it(exported
                      "--input", str(folder)]) == status.BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--exported" in err and "without a SavedModel" in err, err
+    assert "(it holds none of saved_model.pb, model.onnx, model.tflite" in err, err
+
+
+def test_an_export_directory_without_a_saved_model_names_the_artefacts_it_holds(exported, tmp_path, capsys):
+    """`main.py export --format onnx` writes no SavedModel: its directory, given to Predictor, --exported or
+    --model_dir, is an error naming the artefact to pass (the directory is not taken for a model directory)."""
+    onnx_only = tmp_path / "onnx_only"
+    onnx_only.mkdir()
+    for name in ("config.json", "model.onnx"):
+        os.link(os.path.join(exported, name), onnx_only / name)
+    with pytest.raises(ConfigError, match=r"without a SavedModel \(saved_model.pb\); name an artefact file in it "
+                                          r"\(it holds model.onnx\)$"):
+        predictor.Predictor(onnx_only)
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(photo(64, 64, 0)).save(folder / "a.jpg")
+    assert cli.main(["infer", "--model_dir", str(onnx_only), "--input", str(folder)]) == status.BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"[infer] error: no checkpoint in model_dir {onnx_only}: it is an export directory; pass "
+                   f"--exported {onnx_only / 'model.onnx'} (it holds model.onnx)."), err
 
 
 @pytest.mark.parametrize("aligned", [True, False])

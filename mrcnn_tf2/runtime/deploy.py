@@ -28,18 +28,20 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.config import EXPORT_FILES, ConfigError
 from mrcnn_tf2.model.stages import RoIAligner
 from mrcnn_tf2.ops import fused as fused_ops
 
-# format -> (artefact file inside the export directory, optional extra, modules the extra provides)
-ARTEFACTS = {
-    "onnx": ("model.onnx", "onnx", ("tf2onnx", "onnxruntime")),
-    "tflite": ("model.tflite", "tflite", ("ai_edge_litert",)),
-    "tflite_fp16": ("model_fp16.tflite", "tflite", ("ai_edge_litert",)),
-    "openvino": ("openvino/model.xml", "openvino", ("openvino",)),
-    "openvino_int8": ("openvino_int8/model.xml", "openvino", ("openvino", "nncf")),
+# format -> (the optional extra it needs, the modules that extra provides)
+_EXTRAS = {
+    "onnx": ("onnx", ("tf2onnx", "onnxruntime")),
+    "tflite": ("tflite", ("ai_edge_litert",)),
+    "tflite_fp16": ("tflite", ("ai_edge_litert",)),
+    "openvino": ("openvino", ("openvino",)),
+    "openvino_int8": ("openvino", ("openvino", "nncf")),
 }
+# format -> (artefact file inside the export directory, optional extra, modules the extra provides)
+ARTEFACTS = {fmt: (EXPORT_FILES[fmt], *extra) for fmt, extra in _EXTRAS.items()}
 OUTPUTS = ("detection_boxes", "detection_classes", "detection_masks", "detection_scores", "num_detections")
 ONNX_OPSET = 17
 

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from mrcnn_tf2 import files, status
 from mrcnn_tf2.data import preprocess
-from mrcnn_tf2.config import SAVED_CONFIG_FILE, SAVED_MODEL_FILE, ConfigError
+from mrcnn_tf2.config import ConfigError, exported_files
 from mrcnn_tf2.runtime import deploy, infer, predictor
 from mrcnn_tf2.runtime.predictor import LABEL_MAP_FILE, load_model
 
@@ -154,11 +154,7 @@ def check_export_dir(export_dir):
         return
     if not os.path.isdir(export_dir):
         raise ConfigError("--export_dir", f"{export_dir} is a file, not a directory")
-    entries = os.listdir(export_dir)
-    artefacts = [SAVED_MODEL_FILE] + [name for name, _, _ in deploy.ARTEFACTS.values()]
-    earlier_export = (SAVED_CONFIG_FILE in entries and not any(name.endswith(".index") for name in entries)
-                      and any(os.path.isfile(os.path.join(export_dir, name)) for name in artefacts))
-    if entries and not earlier_export:
+    if os.listdir(export_dir) and not exported_files(export_dir):
         raise ConfigError("--export_dir", f"{export_dir} exists and is not an earlier export; an export replaces "
                                           "its directory with everything in it: name a new or empty directory")
 

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image, ImageOps
 
-from mrcnn_tf2.config import SAVED_MODEL_FILE, ConfigError
+from mrcnn_tf2.config import EXPORT_FILES, SAVED_MODEL_FILE, ConfigError, exported_files
 from mrcnn_tf2.data.coco_io import to_rgb
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.evaluation import coco_metrics
@@ -164,6 +164,11 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
     model_dir = config.runtime.model_dir
     checkpoint = tf.train.latest_checkpoint(model_dir)
     if checkpoint is None and require_checkpoint:
+        exported = exported_files(model_dir)
+        if exported:
+            artefact = model_dir if exported[0] == SAVED_MODEL_FILE else os.path.join(model_dir, exported[0])
+            raise ValueError(f"no checkpoint in model_dir {model_dir}: it is an export directory; pass --exported "
+                             f"{artefact} (it holds {', '.join(exported)}).")
         raise ValueError(f"no checkpoint in model_dir {model_dir}: train first, or pass --model_dir of a trained run.")
     policy = set_precision(config.runtime.amp, config.runtime.amp_dtype, world)
     model = build_model(config, export=export)
@@ -352,9 +357,10 @@ class ExportedBackend:
         export directory for its SavedModel. Raises ConfigError naming --exported for anything else."""
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, SAVED_MODEL_FILE)):
-                artefacts = ", ".join(name for name, _, _ in deploy.ARTEFACTS.values())
-                raise ConfigError("--exported", f"{path}: a directory without a SavedModel (saved_model.pb); name "
-                                                f"an artefact file in it ({artefacts})")
+                present = exported_files(path)
+                holds = ", ".join(present) if present else "none of " + ", ".join(EXPORT_FILES.values())
+                raise ConfigError("--exported", f"{path}: a directory without a SavedModel ({SAVED_MODEL_FILE}); "
+                                                f"name an artefact file in it (it holds {holds})")
             signatures = tf.saved_model.load(path).signatures
             if "serving_preprocessed" not in signatures:
                 raise ConfigError("--exported", f"{path}: a SavedModel without the serving_preprocessed signature "
