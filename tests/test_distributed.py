@@ -304,11 +304,10 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_update_with_rank_0s
 def test_mpirun_trains_one_model_and_two_ranks_evaluate_it_as_one_process_does(tmp_path, shapes_records):
     data = ["--data_dir", shapes_records["data_dir"], "--eval_file", shapes_records["val_json"]]
     # Targets any model meets: the first evaluation (end of epoch 1, step 3) stops the job, on both ranks.
-    train = subprocess.run(
-        mpirun(*main_py("train", *data, "--model_dir", tmp_path, *SMALL_FLAGS, "--train_batch_size", "1",
-                        "--steps_per_epoch", "3", "--epochs", "2", "--checkpoint_every", "1", "--log_every", "1",
-                        "--min_bbox_map", "0", "--min_mask_map", "0")),
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=MPI_ENVIRONMENT)
+    command = mpirun(*main_py("train", *data, "--model_dir", tmp_path, *SMALL_FLAGS, "--train_batch_size", "1",
+                              "--steps_per_epoch", "3", "--epochs", "2", "--checkpoint_every", "1", "--log_every", "1",
+                              "--min_bbox_map", "0", "--min_mask_map", "0"))
+    train = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=MPI_ENVIRONMENT)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     # One job: a global batch of 2, rank 0 alone logging and writing checkpoints, every step once.
     log = read_log(tmp_path / "log.jsonl")
@@ -320,6 +319,11 @@ def test_mpirun_trains_one_model_and_two_ranks_evaluate_it_as_one_process_does(t
     assert sorted(p.name for p in tmp_path.glob("ckpt-*.index")) == ["ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]
     (during_training,) = [r for r in log if r["event"] == "eval"]
     assert during_training["step"] == 3 and during_training["eval_images"] == 5  # both ranks' shares: 3 + 2
+    # The same job again: step 3 met the targets, so both ranks end without training.
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=MPI_ENVIRONMENT)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "target reached step 3" in again.stdout and "[train] step 4/6" not in again.stdout
+    assert [r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "done"] == [3, 3]
 
     evaluate = subprocess.run(mpirun(*main_py("eval", *data, "--model_dir", tmp_path, "--eval_batch_size", "2")),
                               cwd=ROOT, capture_output=True, text=True, timeout=600, env=MPI_ENVIRONMENT)

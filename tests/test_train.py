@@ -19,10 +19,10 @@ import tensorflow as tf
 
 import main
 from mrcnn_tf2.arguments import parse
-from mrcnn_tf2.config import Config
+from mrcnn_tf2.config import Config, ConfigError
 from mrcnn_tf2.model.factory import choose_ops
 from mrcnn_tf2.runtime import train as train_runtime
-from mrcnn_tf2.runtime.evaluate import TrainingEvaluator, targets_reached
+from mrcnn_tf2.runtime.evaluate import TRAINING_RESULTS_FILE, TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
 from mrcnn_tf2.status import FAILURE
 from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, lines_until,
@@ -450,6 +450,26 @@ def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records
     assert [s for s in range(1, 16) if TrainingEvaluator.from_config(config, 5).due(s, 15)] == [5, 10, 15]
 
 
+def test_a_resumed_run_reads_which_evaluations_it_has_and_refuses_a_record_it_cannot_read(tmp_path, shapes_records):
+    config = Config()
+    config.eval.eval_file, config.eval.min_bbox_map = shapes_records["val_json"], 0.5
+    config.data.data_dir, config.runtime.model_dir = shapes_records["data_dir"], str(tmp_path)
+    evaluator = TrainingEvaluator.from_config(config, steps_per_epoch=5)
+    logger = train_runtime.RunLogger(str(tmp_path / "log.jsonl"), verbose=False)
+    record = tmp_path / TRAINING_RESULTS_FILE
+    record.write_text(json.dumps({"5": {"bbox/AP": 0.6}, "10": {"bbox/AP": 0.4}}))
+    assert evaluator.resume(5, 15, logger) == "reached"
+    assert evaluator.resume(10, 15, logger) is None  # evaluated, short of the target: train on
+    assert evaluator.resume(15, 15, logger) == "evaluate"  # due, never evaluated: make it up
+    assert evaluator.resume(12, 15, logger) is None  # not due
+    for text in ("{", "[1, 2]"):
+        record.write_text(text)
+        with pytest.raises(ConfigError, match=f"^--model_dir: {record} .*: delete it to evaluate again$"):
+            evaluator.resume(5, 15, logger)
+    assert evaluator.resume(0, 15, logger) is None and not record.exists()  # a new run forgets an old run's record
+    logger.close()
+
+
 def test_the_training_input_labels_the_models_own_anchors_with_the_factorys_op(shapes_records, monkeypatch):
     config = small_config()
     config.data.data_dir = shapes_records["data_dir"]
@@ -493,6 +513,22 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     tags = {value.tag for path in tf.io.gfile.glob(str(tmp_path / "tb" / "*"))
             for event in tf.compat.v1.train.summary_iterator(path) for value in event.summary.value}
     assert {"bbox/AP", "segm/AP", "loss_total"} <= tags
+    recorded = json.loads((tmp_path / TRAINING_RESULTS_FILE).read_text())
+    assert list(recorded) == ["1"] and recorded["1"]["bbox/AP"] == evaluation["bbox/AP"]
+
+    # The same command again: the step met the targets, so nothing trains (a scheduler's rerun, a retried job).
+    assert train_runtime.Trainer(config).run() == 0
+    assert "target reached step 1" in capsys.readouterr().out
+    log = read_log(tmp_path / "log.jsonl")
+    assert [r["step"] for r in log if r["event"] == "metrics"] == [1]
+    (again,) = [r for r in log if r["event"] == "target reached" and r["message"] == "reached before this run"]
+    assert again["step"] == 1 and log[-1]["event"] == "done" and log[-1]["step"] == 1
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")
+    # A higher target than the step met: training goes on, evaluating every epoch.
+    config.eval.min_bbox_map = 1.0
+    assert train_runtime.Trainer(config).run() == 0
+    assert [r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "eval"] == [1, 2, 3]
+    assert list(json.loads((tmp_path / TRAINING_RESULTS_FILE).read_text())) == ["1", "2", "3"]
 
 
 def test_a_stop_signal_during_an_evaluation_abandons_it_and_keeps_the_steps_checkpoint(tmp_path, shapes_records,
@@ -521,10 +557,21 @@ def test_a_stop_signal_during_an_evaluation_abandons_it_and_keeps_the_steps_chec
     assert [r["event"] for r in log if r["event"] in ("metrics", "checkpoint", "eval", "stopped", "done")] == [
         "metrics", "checkpoint", "stopped"]
     (stopped,) = [r for r in log if r["event"] == "stopped"]
-    assert stopped["step"] == 1 and stopped["reason"].startswith(
-        f"SIGTERM; its evaluation abandoned (`main.py eval --model_dir {tmp_path}` scores the checkpoint); "
-        "checkpoint of step 1 written")
+    assert stopped["step"] == 1 and stopped["reason"] == (
+        "SIGTERM; its evaluation abandoned; checkpoint of step 1 written: the same command evaluates it, then "
+        "resumes from it")
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")
+    assert not (tmp_path / TRAINING_RESULTS_FILE).exists()
+
+    # The rerun makes up the abandoned evaluation before anything else (here of a run cut to that step).
+    monkeypatch.setattr(coco_metrics, "convert_detections", convert)
+    config.train.epochs = 1
+    assert train_runtime.Trainer(config).run() == 0
+    assert "[eval] step 1 epoch 1: bbox AP" in capfd.readouterr().out
+    log = read_log(tmp_path / "log.jsonl")
+    assert [r["event"] for r in log if r["event"] in ("metrics", "checkpoint", "eval", "stopped", "done")] == [
+        "metrics", "checkpoint", "stopped", "eval", "done"]
+    assert list(json.loads((tmp_path / TRAINING_RESULTS_FILE).read_text())) == ["1"]
 
 
 def from_scratch_losses(tmp_path, data_dir, *overrides):

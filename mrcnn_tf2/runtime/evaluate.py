@@ -14,6 +14,7 @@ restored and run by `mrcnn_tf2.runtime.predictor`, as `main.py infer` and `main.
 """
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -29,8 +30,15 @@ from mrcnn_tf2.runtime.predictor import ModelBackend, concat_batches, open_backe
 
 RESULTS_FILE = "eval_results.json"
 DETECTIONS_FILE = "detections.json"
+# In model_dir: the metrics of training's evaluations by step ({"<step>": {'bbox/AP': ...}}), which tell a resumed
+# run whether its checkpoint's step met the target APs or still owes its evaluation (`TrainingEvaluator.resume`).
+TRAINING_RESULTS_FILE = "train_evaluations.json"
 # The COCO statistic of each AP that training reports and can stop at: box AP and mask AP.
 AP_KEYS = {"bbox": coco_metrics.metric_key("bbox", "AP"), "mask": coco_metrics.metric_key("segm", "AP")}
+
+
+# `TrainingEvaluator.resume`'s answers.
+REACHED, EVALUATE = "reached", "evaluate"
 
 
 class EvaluationStopped(Exception):
@@ -206,6 +214,28 @@ class TrainingEvaluator:
         """Whether update `step` (1-based) ends an evaluation interval or the run."""
         return step == last_step or (self.interval is not None and step % self.interval == 0)
 
+    def resume(self, step, last_step, logger):
+        """What a run that starts after update `step` (0: a new run) does about evaluations, the same on every rank
+        (rank 0 reads TRAINING_RESULTS_FILE): REACHED when the evaluation of `step` met the target APs (logged as
+        when it came), EVALUATE when `step` was due an evaluation that has no result (a stop signal abandoned it,
+        or the process died in it), else None. A new run forgets an earlier run's results in model_dir."""
+        action = problem = None
+        if self.world.is_chief and not step:
+            files.remove(os.path.join(self.config.runtime.model_dir, TRAINING_RESULTS_FILE))
+        elif self.world.is_chief:
+            try:
+                metrics = self._recorded().get(str(step))
+            except ConfigError as err:
+                metrics, problem = None, (err.key, err.message)
+            if metrics is not None:
+                action = REACHED if self._reached(metrics, step, logger, "reached before this run") else None
+            elif self.due(step, last_step):
+                action = EVALUATE
+        action, problem = self.world.broadcast_object((action, problem))
+        if problem is not None:  # on every rank, so that none waits for rank 0
+            raise ConfigError(*problem)
+        return action
+
     def evaluate(self, model, step, logger, stopping=None):
         """Evaluates `model` after update `step`, logs the result; returns True when training should stop (on
         every rank: rank 0's decision). Raises EvaluationStopped when `stopping` (see `run_evaluation`) gives a
@@ -223,12 +253,33 @@ class TrainingEvaluator:
                 + f"  ({evaluation.num_images} images, {seconds:.1f} s)")
         logger.metrics(step, {**metrics, "eval_images": evaluation.num_images, "eval_time_s": seconds}, line,
                        event="eval")
+        files.write_json(os.path.join(self.config.runtime.model_dir, TRAINING_RESULTS_FILE),
+                         {**self._recorded(), str(step): metrics}, indent=1)
+        return self._reached(metrics, step, logger, "stopping training")
+
+    def _recorded(self):
+        """TRAINING_RESULTS_FILE's {"<step>": metrics} ({} without the file). Raises ConfigError naming a file
+        that is not one."""
+        path = os.path.join(self.config.runtime.model_dir, TRAINING_RESULTS_FILE)
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                recorded = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ConfigError("--model_dir", f"{path} cannot be read ({err}): delete it to evaluate again") from None
+        if not isinstance(recorded, dict) or not all(isinstance(value, dict) for value in recorded.values()):
+            raise ConfigError("--model_dir", f"{path} is not a record of evaluations: delete it to evaluate again")
+        return recorded
+
+    def _reached(self, metrics, step, logger, message):
+        """Whether `metrics`, of update `step`, meet the target APs; logs it (with `message`) when they do."""
         targets = {"bbox": self.config.eval.min_bbox_map, "mask": self.config.eval.min_mask_map}
         if not targets_reached(metrics, targets["bbox"], targets["mask"]):
             return False
-        logger.event("target reached", step=step, **{f"{name}_AP": f"{aps[name]:.4f} >= {target}"
+        logger.event("target reached", step=step, **{f"{name}_AP": f"{metrics[AP_KEYS[name]]:.4f} >= {target}"
                                                      for name, target in targets.items() if target is not None},
-                     message="stopping training")
+                     message=message)
         return True
 
 

@@ -38,7 +38,7 @@ from mrcnn_tf2.runtime.benchmark import report_benchmark
 from mrcnn_tf2.runtime.checkpoints import (CheckpointKeeper, CheckpointWriteError, TrainingCheckpoint,
                                            check_saved_model_config, find_checkpoint)
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
-from mrcnn_tf2.runtime.evaluate import EvaluationStopped, TrainingEvaluator
+from mrcnn_tf2.runtime.evaluate import EVALUATE, REACHED, EvaluationStopped, TrainingEvaluator
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
@@ -338,7 +338,7 @@ class Trainer:
         # Horovod every rank evaluates its share of the images and takes rank 0's decision to stop. Made before
         # the config and any checkpoint are written: an annotation file of other images stops the run here.
         evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
-                     if not (runtime.benchmark or trained) else None)
+                     if not runtime.benchmark else None)
         if start == 0 and self.world.is_chief:
             notice = self._initialisation_notice()
             if notice:
@@ -349,8 +349,18 @@ class Trainer:
                      global_batch_size=self.global_batch_size)
         if self.world.is_chief:
             config.save(runtime.model_dir)  # what eval, infer, export and a resumed run start from
-        if trained:
-            logger.event("done", step=start, message="already trained to the last step")
+        # A resumed run first makes up the evaluation of its start that a stop abandoned, and does not train past a
+        # step that met the target APs.
+        resumed = evaluator.resume(start, self.total_steps, logger) if evaluator is not None else None
+        if resumed == EVALUATE:
+            with stop_signals.StopSignals(self._stop_notice if self.world.is_chief else None) as stops:
+                reached, signum = self._evaluate(evaluator, start, logger, stops)
+            if signum:
+                return self._stop(logger, start, signum, evaluation_abandoned=True)
+            resumed = REACHED if reached else None
+        if resumed == REACHED or trained:
+            logger.event("done", step=start, message="the target APs are reached at this step" if resumed == REACHED
+                         else "already trained to the last step")
             return status.OK
         last = (start + runtime.log_warmup_steps + runtime.benchmark_steps if runtime.benchmark
                 else self.total_steps)
@@ -433,11 +443,13 @@ class Trainer:
         # The other ranks wait for rank 0's checkpoint: a launcher ends the whole job once one process exits with
         # a failure status.
         self.world.broadcast_object(None)
-        saved = ("a benchmark writes no checkpoint" if self.config.runtime.benchmark
-                 else f"checkpoint of step {step} written: the same command resumes from it")
-        if evaluation_abandoned:
-            saved = (f"its evaluation abandoned (`main.py eval --model_dir {self.config.runtime.model_dir}` scores "
-                     f"the checkpoint); {saved}")
+        if self.config.runtime.benchmark:
+            saved = "a benchmark writes no checkpoint"
+        elif evaluation_abandoned:
+            saved = (f"its evaluation abandoned; checkpoint of step {step} written: the same command evaluates it, "
+                     "then resumes from it")
+        else:
+            saved = f"checkpoint of step {step} written: the same command resumes from it"
         logger.event("stopped", step=step, reason=f"{stop_signals.name(signum)}; {saved}")
         return status.stopped_by(signum)
 
