@@ -74,6 +74,7 @@ decode and check images with Pillow and pycocotools).
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
 import io
 import json
@@ -683,7 +684,10 @@ def convert_coco(
     finally:
         if not finished:
             for writer in writers:
-                writer.close()
+                # Closing flushes: on the full disk that ended the conversion it fails too, and the shards
+                # must still go.
+                with contextlib.suppress(Exception):
+                    writer.close()
             for path in shard_paths:
                 files.remove(files.temporary_path(path))
     _note_stale_shards(output_dir, tag, shard_paths)

@@ -1,7 +1,10 @@
 """Exit statuses of every command of the package (main.py's modes, weights/ and dataset/ scripts), and how a
-signal ends one."""
+signal or a full disk ends one."""
 
 import contextlib
+import errno
+import os
+import re
 import signal
 import sys
 
@@ -63,18 +66,43 @@ def terminations_raise():
             signal.signal(signum, handler)
 
 
+# The errors of a write that the destination refuses whatever is written: a full disk, a quota, a file size
+# limit, a read-only file system.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def write_failure(err):
+    """'No space left on device: PATH' (or the reason alone) when `err` is a write that the destination refused
+    (_WRITE_ERRNOS), told by an OSError's errno or by the text of another error (TensorFlow's, with the path
+    before '; No space left on device'); else None."""
+    if isinstance(err, OSError) and err.errno in _WRITE_ERRNOS:
+        return os.strerror(err.errno) + (f": {err.filename}" if err.filename else "")
+    for code in _WRITE_ERRNOS:
+        reason = os.strerror(code)
+        if reason in str(err):
+            path = re.search(r"(/\S+); " + re.escape(reason), str(err))
+            return reason + (f": {path.group(1)}" if path else "")
+    return None
+
+
 def run_stoppable(run, command):
     """`run()`'s return value (an exit status), run under `terminations_raise`; after Ctrl-C, SIGTERM or SIGHUP,
     once the run has unwound, `stopped_by` the signal, having written '<command>: stopped by SIGTERM' to standard
-    error."""
+    error. A write the destination refused (`write_failure`) is one line, '<command>: error: ...', and FAILURE
+    (the writers remove their partial files as they unwind: `files.atomic_path`)."""
     with terminations_raise() as received:
         try:
             return run()
         except (KeyboardInterrupt, Terminated):
             signum = received.signum or signal.SIGINT  # a KeyboardInterrupt raised by code, not by a signal
-        except BaseException:
+        except BaseException as err:
             if not received.signum:
-                raise
+                reason = write_failure(err)
+                if reason is None:
+                    raise
+                with contextlib.suppress(OSError):
+                    print(f"{command}: error: a file could not be written ({reason})", file=sys.stderr, flush=True)
+                return FAILURE
             signum = received.signum  # the signal's exception, turned into another by the C++ it was raised in
     with contextlib.suppress(OSError):  # no terminal any more (SIGHUP)
         print(f"{command}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)

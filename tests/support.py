@@ -11,6 +11,7 @@ import fcntl
 import io
 import json
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -215,6 +216,20 @@ def terminations_by_default():
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes):
+    """A context in which no file of this process grows past `nbytes`: a write past it fails with EFBIG, as one
+    fails on a full disk with ENOSPC (SIGXFSZ, whose default ends the process, is ignored meanwhile)."""
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signalled = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, signalled)
 
 
 def box_font(path, chars):

@@ -1,6 +1,7 @@
 """Config defaults, flags and overrides reaching the config, and the CLI's errors."""
 
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
@@ -13,7 +14,7 @@ import types
 import pytest
 
 import main
-from mrcnn_tf2 import arguments, cli, presets
+from mrcnn_tf2 import arguments, cli, presets, status
 from mrcnn_tf2.config import Config, ConfigError, field_paths
 from tests.support import ROOT, run_main, terminations_by_default
 
@@ -678,6 +679,26 @@ def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_an
     monkeypatch.setattr(sys.modules["signalled_runner"], "run", lambda config: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # without a signal an error is the run's own
         main.main(["export"])
+
+
+def test_a_write_the_disk_refuses_is_one_line_and_status_1_and_any_other_error_stays_a_traceback(capsys):
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/results/eval_results.json.tmp-7")
+    assert status.write_failure(full) == "No space left on device: /results/eval_results.json.tmp-7"
+    assert status.write_failure(OSError(errno.EFBIG, os.strerror(errno.EFBIG))) == "File too large"
+    saved = Exception("{{function_node __wrapped__SaveV2_dtypes_143}} /out.tmp-9/variables/variables_temp/part-0; "
+                      "No space left on device [Op:SaveV2]")  # TensorFlow's, whatever its class
+    assert status.write_failure(saved) == "No space left on device: /out.tmp-9/variables/variables_temp/part-0"
+    assert status.write_failure(OSError(errno.ENOENT, "No such file or directory", "/x")) is None
+    assert status.write_failure(ValueError("bad value")) is None
+
+    def fails(err):
+        raise err
+
+    assert status.run_stoppable(lambda: fails(full), "main.py") == status.FAILURE
+    assert capsys.readouterr().err == (
+        "main.py: error: a file could not be written (No space left on device: /results/eval_results.json.tmp-7)\n")
+    with pytest.raises(ValueError, match="bad value"):
+        status.run_stoppable(lambda: fails(ValueError("bad value")), "main.py")
 
 
 def test_every_range_checked_is_a_numeric_setting_and_the_blocks_range_is_the_backbones():

@@ -23,7 +23,7 @@ from dataset import create_coco_tf_record as converter
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
 from mrcnn_tf2 import status
 from mrcnn_tf2.data.coco_io import TRANSPARENT_FILL, encode_jpeg
-from tests.support import ROOT, live_processes, terminations_by_default
+from tests.support import ROOT, file_size_limit, live_processes, terminations_by_default
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
 # compared separately so that no unexpected key slips in.
@@ -605,6 +605,54 @@ def test_a_conversion_stopped_by_sigterm_removes_its_temporary_shards(tmp_path, 
         assert converter.main([str(arg) for arg in argv]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.splitlines()[-1] == "create_coco_tf_record.py: stopped by SIGTERM"
     assert len(converted) == 2 and os.listdir(tmp_path / "out") == []
+
+
+def test_a_conversion_that_fills_the_disk_is_one_line_and_leaves_no_shard(tmp_path, monkeypatch, capsys):
+    image_dir = tmp_path / "images"
+    image_dir.mkdir()
+    noise = np.random.default_rng(0).integers(0, 256, (128, 128, 3), np.uint8)
+    Image.fromarray(noise).save(image_dir / "0.jpg")  # about 10 KB
+    for i in range(1, 40):
+        os.link(image_dir / "0.jpg", image_dir / f"{i}.jpg")
+    annotations_file = write_json(tmp_path / "instances_train.json", {
+        "images": [{"id": i, "file_name": f"{i}.jpg", "height": 128, "width": 128} for i in range(40)],
+        "annotations": [], "categories": [{"id": 1, "name": "thing"}]})
+    argv = ["--image_dir", image_dir, "--annotations_file", annotations_file, "--output_dir", tmp_path / "out",
+            "--noinclude_masks", "--num_shards", "2", "--num_workers", "1"]
+    # Each shard needs 200 KB: the writes fail midway, with records still in the writers' buffers.
+    with file_size_limit(100_000):
+        assert converter.main([str(arg) for arg in argv]) == status.FAILURE
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"create_coco_tf_record.py: error: a file could not be written \(File too large: "
+                        rf"{tmp_path}/out/train-0000[01]-of-00002.tfrecord.tmp-\d+\)", err[-1]), err
+    assert os.listdir(tmp_path / "out") == []
+
+    class FullDisk(tf.io.TFRecordWriter):
+        """As TensorFlow's writers are on a full disk (seen on a tmpfs): the write that finds it full fails, and
+        so does each writer's close, which flushes the records it holds."""
+
+        def __init__(self, path):
+            super().__init__(path)
+            self.path, self.count = path, 0
+
+        def write(self, record):
+            self.count += 1
+            if self.count > 5:
+                raise tf.errors.ResourceExhaustedError(None, None, f"{self.path}; No space left on device")
+            super().write(record)
+
+        def close(self):
+            super().close()
+            raise tf.errors.ResourceExhaustedError(None, None, f"{self.path}; No space left on device")
+
+    monkeypatch.setattr(tf.io, "TFRecordWriter", FullDisk)
+    assert converter.main([str(arg) for arg in argv]) == status.FAILURE
+    assert re.fullmatch(r"create_coco_tf_record.py: error: a file could not be written \(No space left on device: "
+                        rf"{tmp_path}/out/train-00000-of-00002.tfrecord.tmp-\d+\)",
+                        capsys.readouterr().err.splitlines()[-1])
+    assert os.listdir(tmp_path / "out") == []
+    monkeypatch.undo()
+    assert converter.main([str(arg) for arg in argv]) == status.OK  # with room, the same command converts
 
 
 def test_without_masks_and_skip_empty(tmp_path):

@@ -31,7 +31,7 @@ from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime import export, infer, predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
-from tests.support import ROOT, SMALL_FLAGS, box_font, main_py
+from tests.support import ROOT, SMALL_FLAGS, box_font, file_size_limit, main_py
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
 EXIF_ORIENTATION, ROTATE_90_CW = 0x0112, 6
@@ -493,6 +493,15 @@ def test_an_export_stopped_by_sigterm_removes_its_temporary_directory(model_dir,
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.splitlines()[-1] == "main.py: stopped by SIGTERM"
     assert os.listdir(tmp_path) == []  # neither the export nor its temporary directory
+
+
+def test_an_export_that_fills_the_disk_is_one_line_and_leaves_nothing(model_dir, tmp_path, capsys):
+    export_dir = tmp_path / "export"
+    with file_size_limit(1 << 20):  # the SavedModel's variables are larger
+        assert main.main(["export", "--model_dir", model_dir, "--export_dir", str(export_dir), *SMALL_FLAGS]) == 1
+    assert re.fullmatch(rf"main.py: error: a file could not be written \(File too large: {export_dir}.tmp-\d+/\S+\)",
+                        capsys.readouterr().err.splitlines()[-1])
+    assert os.listdir(tmp_path) == []
 
 
 def test_export_without_a_checkpoint_exits_2_and_writes_nothing(tmp_path, capsys):

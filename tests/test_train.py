@@ -4,7 +4,6 @@ corrupt checkpoints, benchmark, evaluation during training and the early stop at
 import fcntl
 import json
 import os
-import resource
 import select
 import shutil
 import signal
@@ -25,8 +24,8 @@ from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import TRAINING_RESULTS_FILE, TrainingEvaluator, targets_reached
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
 from mrcnn_tf2.status import FAILURE
-from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, lines_until,
-                           main_py, read_log, run_main, small_config, synthetic_batch, trainer_for)
+from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, file_size_limit,
+                           lines_until, main_py, read_log, run_main, small_config, synthetic_batch, trainer_for)
 
 
 def test_schedule_warms_up_linearly_then_steps_at_the_boundaries():
@@ -637,16 +636,8 @@ def test_a_checkpoint_that_cannot_be_written_is_one_error_and_leaves_no_partial_
 
     keeper = CheckpointKeeper(str(tmp_path), 3, weights=tf.Variable(tf.zeros([512, 1024])))  # 2 MiB
     keeper.save(1)
-    # Files past 1 MiB cannot grow, as on a full disk (a write then fails with EFBIG rather than ENOSPC).
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    signalled = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # whose default ends the process
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
-    try:
-        with pytest.raises(CheckpointWriteError) as raised:
-            keeper.save(2)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-        signal.signal(signal.SIGXFSZ, signalled)
+    with file_size_limit(1 << 20), pytest.raises(CheckpointWriteError) as raised:
+        keeper.save(2)
     assert str(raised.value) == (f"the checkpoint of step 2 could not be written in {tmp_path} (File too large); "
                                  f"the newest checkpoint is {tmp_path}/ckpt-1, which rerunning the same command "
                                  "resumes from once there is room")
