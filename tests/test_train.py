@@ -202,7 +202,16 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(tmp_path, shapes_re
     assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
     capsys.readouterr()
     assert main.main(["train", "--model_dir", str(tmp_path)]) == 0
-    assert "already trained" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already trained" in out and "trained with updates of" not in out
+    # Another global batch (here --train_batch_size; under a launcher, another number of workers) is said.
+    assert main.main(["train", "--model_dir", str(tmp_path), "--train_batch_size", "1"]) == 0
+    notice = (f"resuming {tmp_path}/ckpt-8, trained with updates of 2 images, with updates of 1 (1 worker(s) x "
+              "--train_batch_size 1 x --accumulate_steps 1): the steps from here on take that many images each, and "
+              "the epochs and learning rates count them (4 steps per epoch)")
+    assert f"[train] {notice}\n" in capsys.readouterr().out
+    assert read_log(tmp_path / "log.jsonl")[-3:-2] == [{"event": "notice", "time": pytest.approx(time.time(), abs=300),
+                                                        "message": notice}]
     # eval needs only what it adds; the saved model's shape cannot be changed by a flag.
     assert main.main(["eval", "--model_dir", str(tmp_path), "--eval_file", shapes_records["val_json"],
                       "--eval_samples", "2", "--eval_batch_size", "2"]) == 0

@@ -6,6 +6,7 @@ log of the run it resumes. Throughput excludes the first `warmup_steps` steps of
 and allocator warm-up would otherwise dominate short runs).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -70,6 +71,18 @@ class RunLogger:
         else:
             writer.close()
         self.event("graph", directory=directory)
+
+    def last(self, event):
+        """The newest record of kind `event` in the log file (a resumed run's log holds the earlier runs'), or
+        None. Lines that are not JSON (the last one of a process that was killed while writing) are passed over."""
+        found = None
+        with open(self.log.name, encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("event") == event:
+                        found = record
+        return found
 
     def _write(self, record):
         self.log.write(json.dumps(record) + "\n")

@@ -250,6 +250,16 @@ class Trainer:
         path = self.keeper.restore_latest()
         if path is not None:
             logger.event("resumed", checkpoint=path, step=int(self.step.numpy()))
+            previous = (logger.last("start") or {}).get("global_batch_size", self.global_batch_size)
+            if previous != self.global_batch_size:
+                # Steps, epochs and the learning rate schedule count updates: from here they count other ones.
+                notice = (f"resuming {path}, trained with updates of {previous} images, with updates of "
+                          f"{self.global_batch_size} ({self.num_workers} worker(s) x --train_batch_size "
+                          f"{train.train_batch_size} x --accumulate_steps {train.accumulate_steps}): the steps from "
+                          "here on take that many images each, and the epochs and learning rates count them "
+                          f"({self.steps_per_epoch} steps per epoch)")
+                print(f"[train] {notice}", flush=True)
+                logger.event("notice", echo=False, message=notice)
             if train.init_checkpoint:
                 notice = (f"--init_checkpoint {train.init_checkpoint} is ignored: the run resumes from its own "
                           f"checkpoint {path}")
