@@ -10,6 +10,7 @@ import signal
 import subprocess
 import termios
 import time
+import types
 
 import keras
 import numpy as np
@@ -458,6 +459,18 @@ def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records
     assert [s for s in range(1, 16) if TrainingEvaluator.from_config(config, 5).due(s, 15)] == [5, 10, 15]
 
 
+def test_boundaries_past_the_runs_end_are_said_and_those_within_it_are_not():
+    config = Config()
+    notice = train_runtime.Trainer._schedule_notice  # of the config alone
+    assert notice(types.SimpleNamespace(config=config)) is None  # the defaults: 0.3, 8 and 10 of 12 epochs
+    config.train.epochs = 10
+    assert notice(types.SimpleNamespace(config=config)).startswith(
+        "--learning_rate_boundaries 10 lie at or past the run's end (--epochs 10): the learning rate changes they "
+        "set never come")
+    config.runtime.benchmark = True  # a constant rate
+    assert notice(types.SimpleNamespace(config=config)) is None
+
+
 def test_a_resumed_run_reads_which_evaluations_it_has_and_refuses_a_record_it_cannot_read(tmp_path, shapes_records):
     config = Config()
     config.eval.eval_file, config.eval.min_bbox_map = shapes_records["val_json"], 0.5
@@ -511,6 +524,7 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     out = capsys.readouterr().out
     assert "[eval] step 1 epoch 1: bbox AP" in out and "mask AP" in out
     assert "target reached" in out and "stopping training" in out
+    assert "[train] --learning_rate_boundaries 8 10 lie at or past the run's end (--epochs 3)" in out
     log = read_log(tmp_path / "log.jsonl")
     (evaluation,) = [r for r in log if r["event"] == "eval"]
     assert evaluation["step"] == 1 and evaluation["eval_images"] == 2

@@ -350,10 +350,10 @@ class Trainer:
         evaluator = (TrainingEvaluator.from_config(config, self.steps_per_epoch, self.world)
                      if not runtime.benchmark else None)
         if start == 0 and self.world.is_chief:
-            notice = self._initialisation_notice()
-            if notice:
-                print(f"[train] {notice}", flush=True)
-                logger.event("notice", echo=False, message=notice)
+            for notice in (self._initialisation_notice(), self._schedule_notice()):
+                if notice:
+                    print(f"[train] {notice}", flush=True)
+                    logger.event("notice", echo=False, message=notice)
         logger.event("start", echo=False, config=config.to_dict(), policy=self.policy, ops=self.ops.describe(),
                      steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, start_step=start,
                      global_batch_size=self.global_batch_size)
@@ -500,6 +500,17 @@ class Trainer:
                 "(with --backbone_checkpoint, NVIDIA's defaults for a pretrained backbone: batch norm frozen, "
                 "the stem and the first residual stage frozen; --config_override model.freeze_bn / "
                 "model.freeze_blocks set them)")
+
+    def _schedule_notice(self):
+        """One line when learning rate boundaries lie at or past the run's end (--epochs shortened under the
+        default schedule, whose drops come at epochs 8 and 10), else None: the changes they set never come."""
+        train = self.config.train
+        late = [boundary for boundary in train.learning_rate_boundaries if boundary >= train.epochs]
+        if not late or self.config.runtime.benchmark:
+            return None
+        return (f"--learning_rate_boundaries {' '.join(f'{b:g}' for b in late)} lie at or past the run's end "
+                f"(--epochs {train.epochs}): the learning rate changes they set never come; give boundaries within "
+                "the run for it to decay")
 
     def _check_finite(self, step, values):
         # Loss scaling overflows the gradients, never the loss: a non-finite loss is divergence in any policy.
