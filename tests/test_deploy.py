@@ -271,6 +271,15 @@ def test_predictor_gives_each_image_its_detections_in_its_own_pixels_from_a_chec
     np.testing.assert_array_equal(alone["scores"], from_onnx[1]["scores"])
     with Image.open(paths[1]) as opened:  # a PIL image: as its file
         np.testing.assert_array_equal(onnx(opened)["scores"], from_onnx[1]["scores"])
+    with open(paths[1], "rb") as upload:  # the file's bytes, or the open file (an upload): as its file
+        np.testing.assert_array_equal(onnx(upload)["scores"], from_onnx[1]["scores"])
+        upload.seek(0)
+        np.testing.assert_array_equal(onnx(upload.read())["scores"], from_onnx[1]["scores"])
+    generated = onnx(image for image in images[:2])  # any iterable, or a uint8 [n, h, w, 3] array: several images
+    stacked = onnx(np.stack([images[1], images[1]]))
+    assert len(generated) == 2 and len(stacked) == 2
+    for found in (generated[1], *stacked):
+        np.testing.assert_array_equal(found["scores"], from_onnx[1]["scores"])
     with pytest.raises(ValueError, match=r"^image 1: an image array must be uint8 .* got float64 of shape"):
         onnx([paths[0], images[1] / 255.0])  # floats in [0, 1]: refused, not read as black
 

@@ -15,6 +15,7 @@ Glossary: B the batch size (eval.eval_batch_size), b <= B the images of one batc
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import weakref
@@ -219,17 +220,23 @@ class Photo:
     image: np.ndarray  # [h, w, 3] uint8 RGB
 
 
+def is_one_image(image):
+    """Whether `image` is one image as `read_image` takes it, rather than a collection of them."""
+    return (isinstance(image, (str, os.PathLike, bytes, bytearray, Image.Image)) or hasattr(image, "read")
+            or (isinstance(image, np.ndarray) and image.ndim != 4))
+
+
 def read_image(image):
-    """[h, w, 3] uint8 RGB of `image`: an image file's path, a PIL image, or a uint8 array, [h, w, 3] RGB, [h, w]
-    or [h, w, 1] gray, or [h, w, 4] RGBA.
+    """[h, w, 3] uint8 RGB of `image`: an image file's path, its bytes or an open binary file (an upload), a PIL
+    image, or a uint8 array, [h, w, 3] RGB, [h, w] or [h, w, 1] gray, or [h, w, 4] RGBA.
 
     A file or a PIL image is turned upright by its EXIF orientation. Every other kind than an RGB array goes
     through `coco_io.to_rgb`, as the converter's images do: gray becomes RGB (16-bit gray its high byte),
     transparency is composited over coco_io.TRANSPARENT_FILL. Raises ValueError for an array of another dtype or
     shape, or without pixels, and what PIL raises for an unreadable file (OSError and others).
     """
-    if isinstance(image, (str, os.PathLike)):
-        with Image.open(image) as opened:
+    if isinstance(image, (str, os.PathLike, bytes, bytearray)) or hasattr(image, "read"):
+        with Image.open(io.BytesIO(image) if isinstance(image, (bytes, bytearray)) else image) as opened:
             return read_image(opened)
     if isinstance(image, Image.Image):
         return np.asarray(to_rgb(ImageOps.exif_transpose(image)))
@@ -397,7 +404,8 @@ class Predictor:
         predictor = Predictor("runs/my_model")                            # TensorFlow, the newest checkpoint
         predictor = Predictor("runs/my_model/saved_model/model.onnx")    # or .tflite, openvino/model.xml,
                                                                           # or the export directory (SavedModel)
-        detections = predictor("photo.jpg")             # or a PIL image, a uint8 [h, w, 3] RGB array, or a list
+        detections = predictor("photo.jpg")             # or its bytes, a PIL image, a uint8 [h, w, 3] RGB array,
+                                                        # or a list of them
 
     Each image's detections: dict with boxes [N, 4] float32 [ymin, xmin, ymax, xmax] in the image's pixels,
     classes [N] int64 category ids, names [N] str, scores [N] float32 (descending), masks [N, h, w] bool pasted
@@ -422,10 +430,10 @@ class Predictor:
             yield chunk, self.backend(batch)
 
     def __call__(self, images):
-        """images: an image, as `read_image` takes it (a path, a PIL image or a uint8 array), or a list of them
-        -> the dict of the class docstring for each (one dict for one image). ValueError names the image that
-        cannot be read as RGB."""
-        single = not isinstance(images, (list, tuple))
+        """images: an image, as `read_image` takes it (a path, encoded bytes, a PIL image or a uint8 array), or
+        a list, any other iterable or a uint8 [n, h, w, 3] array of them -> the dict of the class docstring for
+        each (one dict for one image). ValueError names the image that cannot be read as RGB."""
+        single = is_one_image(images)
         images = [images] if single else list(images)
         photos = []
         for index, image in enumerate(images):
