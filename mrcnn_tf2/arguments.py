@@ -332,8 +332,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def check_inputs(mode: str, config: Config) -> None:
-    """Raises ConfigError when files `mode` reads are missing, or a directory it writes is a file (checked before
-    any work starts).
+    """Raises ConfigError when files `mode` reads are missing, or a directory it writes is a file or cannot be
+    written (a read-only mount of a model directory: checked before an evaluation of an hour, not after it).
 
     Training checks the validation TFRecords too when it evaluates (--eval_file), so that a wrong path
     fails now rather than after the first epoch.
@@ -376,6 +376,29 @@ def check_inputs(mode: str, config: Config) -> None:
     for explicit, pattern in patterns:
         if not glob.glob(pattern):
             raise ConfigError("--config_override" if explicit else "--data_dir", f"no file matches {pattern}")
+    # Last, so that what is missing is named first. Where the mode's files go: (flag, directory, the directory
+    # they are created in). An export writes its directory under a temporary name beside it; infer's benchmark
+    # writes nothing.
+    targets = [(flag, directory, directory) for flag, directory in written]
+    if mode == "infer":
+        targets = [] if config.runtime.benchmark else targets[1:]
+    elif mode == "export":
+        export_dir = config.export.resolved_export_dir(config.runtime.model_dir)
+        targets = [("--export_dir", export_dir, os.path.dirname(os.path.abspath(export_dir)))]
+    for flag, directory, created_in in targets:
+        existing = _nearest_existing(created_in)
+        if not os.access(existing, os.W_OK | os.X_OK):
+            where = directory if existing == directory else f"{directory} (in {existing})"
+            raise ConfigError(flag, f"{where} cannot be written (a read-only file system, or no permission): "
+                                    f"{mode} writes its results there")
+
+
+def _nearest_existing(path):
+    """`path`, or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def _is_run_log(path):

@@ -5,6 +5,7 @@ import errno
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -634,6 +635,30 @@ def test_a_file_where_a_run_writes_its_directory_is_named_before_anything_starts
         argv += ["--log_tensorboard", str(tmp_path / "file")]
     with pytest.raises(ConfigError, match=f"^{flag}: {tmp_path / 'file'} is a file, not a directory$"):
         arguments.check_inputs(mode, arguments.parse(argv)[1])
+
+
+def test_a_directory_a_run_cannot_write_is_named_before_anything_starts(tmp_path, monkeypatch):
+    read_only = tmp_path / "ro"  # a model directory mounted read-only, say
+    read_only.mkdir()
+    for name in ("train-0.tfrecord", "val-0.tfrecord"):  # what training, evaluation and the benchmark read
+        (tmp_path / name).write_bytes(b"")
+    access = os.access  # root writes whatever the permission bits say, and a read-only mount needs privileges
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(read_only) and access(path, mode))
+    for argv, problem in (
+            (["eval", "--model_dir", read_only, "--data_dir", tmp_path],
+             f"--model_dir: {read_only} cannot be written"),
+            (["train", "--model_dir", read_only / "run", "--data_dir", tmp_path],
+             f"--model_dir: {read_only}/run (in {read_only}) cannot"),
+            (["infer", "--model_dir", read_only, "--input", tmp_path],
+             f"--output_dir: {read_only}/inference (in {read_only}) cannot be written"),
+            (["export", "--model_dir", read_only], f"--export_dir: {read_only}/saved_model (in {read_only}) cannot")):
+        with pytest.raises(ConfigError, match=f"^{re.escape(problem)}"):
+            arguments.check_inputs(argv[0], arguments.parse([str(arg) for arg in argv])[1])
+    # Elsewhere, or writing nothing: taken.
+    for argv in (["infer", "--model_dir", read_only, "--input", tmp_path, "--output_dir", tmp_path / "out"],
+                 ["infer", "--model_dir", read_only, "--benchmark", "--data_dir", tmp_path],
+                 ["export", "--model_dir", read_only, "--export_dir", tmp_path / "exported"]):
+        arguments.check_inputs(argv[0], arguments.parse([str(arg) for arg in argv])[1])
 
 
 def test_a_visualize_font_needs_visualize_and_a_file(tmp_path):
