@@ -459,16 +459,30 @@ def test_evaluation_is_due_every_n_epochs_and_after_the_last_step(shapes_records
     assert [s for s in range(1, 16) if TrainingEvaluator.from_config(config, 5).due(s, 15)] == [5, 10, 15]
 
 
-def test_boundaries_past_the_runs_end_are_said_and_those_within_it_are_not():
+def test_a_schedule_that_does_not_act_at_the_runs_length_is_said_and_one_that_does_is_not():
+    def notice(config, steps_per_epoch):
+        schedule = learning_rate_schedule(config.train, steps_per_epoch, global_batch_size=8)
+        return train_runtime.Trainer._schedule_notice(types.SimpleNamespace(
+            config=config, schedule=schedule, total_steps=config.train.epochs * steps_per_epoch))
+
     config = Config()
-    notice = train_runtime.Trainer._schedule_notice  # of the config alone
-    assert notice(types.SimpleNamespace(config=config)) is None  # the defaults: 0.3, 8 and 10 of 12 epochs
+    assert notice(config, 1000) is None  # the defaults at COCO's scale: warm-up to 500, drops at epochs 8 and 10
     config.train.epochs = 10
-    assert notice(types.SimpleNamespace(config=config)).startswith(
+    assert notice(config, 1000).startswith(
         "--learning_rate_boundaries 10 lie at or past the run's end (--epochs 10): the learning rate changes they "
         "set never come")
-    config.runtime.benchmark = True  # a constant rate
-    assert notice(types.SimpleNamespace(config=config)) is None
+    config.train.epochs = 12
+    warmup = "the learning rate's warm-up (to update {}: --learning_rate_boundaries 0.3 epochs, at least "
+    assert notice(config, 50).startswith(  # 600 updates: the warm-up's 500 run into the drop at epoch 8
+        warmup.format(400) + "train.warmup_min_steps = 500 updates) lasts until the rate's first drop (epoch 8): no "
+        "update is at the full rate")
+    config.train.learning_rate_boundaries, config.train.learning_rate_values = (0.3,), (0.01,)
+    assert notice(config, 40).startswith(warmup.format(500) + "train.warmup_min_steps = 500 updates) outlasts the "
+                                         "run (480 updates)")
+    config.train.warmup_min_steps = 0
+    assert notice(config, 40) is None
+    config.train.epochs, config.runtime.benchmark = 1, True  # a constant rate
+    assert notice(config, 40) is None
 
 
 def test_a_resumed_run_reads_which_evaluations_it_has_and_refuses_a_record_it_cannot_read(tmp_path, shapes_records):
@@ -524,7 +538,8 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     out = capsys.readouterr().out
     assert "[eval] step 1 epoch 1: bbox AP" in out and "mask AP" in out
     assert "target reached" in out and "stopping training" in out
-    assert "[train] --learning_rate_boundaries 8 10 lie at or past the run's end (--epochs 3)" in out
+    assert ("[train] the learning rate's warm-up (to update 8: --learning_rate_boundaries 0.3 epochs, at least "
+            "train.warmup_min_steps = 500 updates) outlasts the run (3 updates)") in out
     log = read_log(tmp_path / "log.jsonl")
     (evaluation,) = [r for r in log if r["event"] == "eval"]
     assert evaluation["step"] == 1 and evaluation["eval_images"] == 2

@@ -502,15 +502,29 @@ class Trainer:
                 "model.freeze_blocks set them)")
 
     def _schedule_notice(self):
-        """One line when learning rate boundaries lie at or past the run's end (--epochs shortened under the
-        default schedule, whose drops come at epochs 8 and 10), else None: the changes they set never come."""
-        train = self.config.train
-        late = [boundary for boundary in train.learning_rate_boundaries if boundary >= train.epochs]
-        if not late or self.config.runtime.benchmark:
+        """One line when the learning rate schedule does not do at this run's length what its flags read, else None:
+        a warm-up (at least train.warmup_min_steps updates) that outlasts the run or lasts until the first drop
+        (a small data set) leaves no update at the full rate, and boundaries at or past the run's end (--epochs
+        shortened under the default schedule, whose drops come at epochs 8 and 10) never act."""
+        if self.config.runtime.benchmark:
             return None
-        return (f"--learning_rate_boundaries {' '.join(f'{b:g}' for b in late)} lie at or past the run's end "
-                f"(--epochs {train.epochs}): the learning rate changes they set never come; give boundaries within "
-                "the run for it to decay")
+        train, steps, total = self.config.train, self.schedule.boundaries, self.total_steps
+        warmup = (f"the learning rate's warm-up (to update {steps[0]}: --learning_rate_boundaries "
+                  f"{train.learning_rate_boundaries[0]:g} epochs, at least train.warmup_min_steps = "
+                  f"{train.warmup_min_steps} updates)")
+        if steps[0] >= total:
+            return (f"{warmup} outlasts the run ({total} updates): no update is at the full rate; lower "
+                    "train.warmup_min_steps (--config_override) for a run this short")
+        if len(steps) > 1 and steps[0] >= steps[1]:
+            return (f"{warmup} lasts until the rate's first drop (epoch {train.learning_rate_boundaries[1]:g}): no "
+                    "update is at the full rate; lower train.warmup_min_steps (--config_override) for a data set "
+                    "this small")
+        late = [epoch for epoch, step in zip(train.learning_rate_boundaries[1:], steps[1:]) if step >= total]
+        if late:
+            return (f"--learning_rate_boundaries {' '.join(f'{b:g}' for b in late)} lie at or past the run's end "
+                    f"(--epochs {train.epochs}): the learning rate changes they set never come; give boundaries "
+                    "within the run for it to decay")
+        return None
 
     def _check_finite(self, step, values):
         # Loss scaling overflows the gradients, never the loss: a non-finite loss is divergence in any policy.
