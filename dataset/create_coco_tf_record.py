@@ -711,7 +711,8 @@ def _no_image_message(annotations_file, image_dir, num_images, warnings):
 
 
 def _note_stale_shards(output_dir, tag, shard_paths):
-    """Says on stderr when shards of the same tag from another run (another shard count) sit beside ours."""
+    """Says on stderr when shards of the same tag from another run (another shard count) sit beside ours, and
+    when a conversion that was killed left its temporary shards (`files.abandoned`)."""
     pattern = os.path.join(glob.escape(output_dir), f"{glob.escape(tag)}-[0-9][0-9][0-9][0-9][0-9]-of-*.tfrecord")
     stale = sorted(set(glob.glob(pattern)) - set(shard_paths))
     if stale:
@@ -720,6 +721,9 @@ def _note_stale_shards(output_dir, tag, shard_paths):
             f"from an earlier run; a file pattern such as '{tag}*.tfrecord' reads them too",
             file=sys.stderr,
         )
+    abandoned = files.abandoned_note(pattern)
+    if abandoned:
+        print(f"note: {abandoned}", file=sys.stderr)
 
 
 def build_parser():

@@ -9,6 +9,7 @@ This module imports neither TensorFlow nor the rest of the package.
 """
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -17,6 +18,46 @@ import shutil
 def temporary_path(path: str) -> str:
     """The name `path` is written under until it is complete (unique to this process)."""
     return f"{path}.tmp-{os.getpid()}"
+
+
+def abandoned(pattern: str) -> list:
+    """The temporary names (`temporary_path`) of the outputs that the glob `pattern` matches whose process is not
+    running on this host: left by a process killed outright (SIGKILL, the kernel's out-of-memory killer), which
+    removes nothing. Sorted."""
+    found = []
+    for path in glob.glob(f"{pattern}.tmp-*"):
+        pid = path.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and not _running(int(pid)):
+            found.append(path)
+    return sorted(found)
+
+
+def abandoned_note(pattern: str):
+    """One line on `abandoned(pattern)` (how many, the first, the bytes they hold), or None when there is none:
+    reported, not removed, as a process of another host sharing the directory may be writing them."""
+    found = abandoned(pattern)
+    if not found:
+        return None
+    size = sum(_size(path) for path in found)
+    return (f"{len(found)} temporary file(s) that a killed process left beside the output ({found[0]}; "
+            f"{size / 2**20:.1f} MiB in all): delete them")
+
+
+def _size(path):
+    """Bytes of the file `path`, or of the files under the directory `path`."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def remove(path: str) -> None:

@@ -14,6 +14,7 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -216,6 +217,13 @@ def terminations_by_default():
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def dead_pid():
+    """The pid of a process that has ended (as a process killed outright leaves it in its temporary names)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
 
 
 @contextlib.contextmanager

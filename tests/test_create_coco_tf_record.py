@@ -23,7 +23,7 @@ from dataset import create_coco_tf_record as converter
 from dataset.make_shapes_dataset import encode_uncompressed_rle, make_shapes_dataset
 from mrcnn_tf2 import status
 from mrcnn_tf2.data.coco_io import TRANSPARENT_FILL, encode_jpeg
-from tests.support import ROOT, file_size_limit, live_processes, terminations_by_default
+from tests.support import ROOT, dead_pid, file_size_limit, live_processes, terminations_by_default
 
 # Every key the converter writes, with its type: parsing fails on a missing key, and the raw key set is
 # compared separately so that no unexpected key slips in.
@@ -652,7 +652,13 @@ def test_a_conversion_that_fills_the_disk_is_one_line_and_leaves_no_shard(tmp_pa
                         capsys.readouterr().err.splitlines()[-1])
     assert os.listdir(tmp_path / "out") == []
     monkeypatch.undo()
-    assert converter.main([str(arg) for arg in argv]) == status.OK  # with room, the same command converts
+    # With room, the same command converts, and names the temporary shard a conversion killed outright left.
+    left = tmp_path / "out" / f"train-00000-of-00002.tfrecord.tmp-{dead_pid()}"
+    left.write_bytes(b"")
+    assert converter.main([str(arg) for arg in argv]) == status.OK
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"note: 1 temporary file(s) that a killed process left beside the output ({left}; 0.0 MiB in all): "
+        "delete them")
 
 
 def test_without_masks_and_skip_empty(tmp_path):

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from mrcnn_tf2 import files, status
+from tests.support import dead_pid
 
 
 def listing(directory):
@@ -86,6 +87,24 @@ def test_temporary_names_match_no_reader_pattern_and_remove_takes_files_director
     for name in ("file", "dir", "missing"):
         files.remove(str(tmp_path / name))
     assert listing(tmp_path) == []
+
+
+def test_temporaries_a_killed_process_left_are_found_and_told_and_a_running_ones_are_not(tmp_path):
+    killed_conversion, killed_export = dead_pid(), dead_pid()
+    shard = tmp_path / f"train-00000-of-00002.tfrecord.tmp-{killed_conversion}"
+    shard.write_bytes(b"x" * 2**20)
+    export = tmp_path / f"export.tmp-{killed_export}"  # a directory
+    (export / "variables").mkdir(parents=True)
+    (export / "variables" / "data").write_bytes(b"x" * 2**19)
+    (tmp_path / f"train-00001-of-00002.tfrecord.tmp-{os.getpid()}").write_bytes(b"")  # being written
+    (tmp_path / "train-00001-of-00002.tfrecord.tmp-abc").write_bytes(b"")  # no temporary name of ours
+    shards = str(tmp_path / "train-*-of-*.tfrecord")
+    assert files.abandoned(shards) == [str(shard)]
+    assert files.abandoned(str(tmp_path / "export")) == [str(export)]
+    assert files.abandoned_note(shards) == (f"1 temporary file(s) that a killed process left beside the output "
+                                            f"({shard}; 1.0 MiB in all): delete them")
+    assert "(" + str(export) + "; 0.5 MiB in all)" in files.abandoned_note(str(tmp_path / "export"))
+    assert files.abandoned_note(str(tmp_path / "val-*.tfrecord")) is None
 
 
 def test_exit_statuses_are_distinct_and_bad_input_is_argparses():

@@ -28,6 +28,7 @@ library. The directory is written atomically (`mrcnn_tf2.files.atomic_path`): an
 complete.
 """
 
+import glob
 import os
 import shutil
 import sys
@@ -212,4 +213,7 @@ def run(config):
                else deploy.ARTEFACTS[fmt][0] for fmt in config.export.formats]
     print(f"[export] checkpoint {loaded.checkpoint} (step {loaded.step}) -> {export_dir}: {'; '.join(written)}",
           flush=True)
+    abandoned = files.abandoned_note(glob.escape(os.path.abspath(export_dir)))
+    if abandoned:
+        print(f"[export] note: {abandoned}", file=sys.stderr)
     return status.OK
