@@ -22,7 +22,7 @@ from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.runtime import deploy, export, predictor
 from mrcnn_tf2.runtime.predictor import load_model
-from tests.support import SMALL_FLAGS, photo
+from tests.support import SMALL_FLAGS, dead_pid, photo
 
 pytestmark = pytest.mark.xdist_group("deploy")
 
@@ -383,9 +383,14 @@ def test_openvinos_roi_align_gives_the_twins_crops(aligned):
 def test_int8_is_calibrated_on_the_given_images_and_runs_in_openvino(model_dir, exported, photo_files, tmp_path,
                                                                    capsys):
     export_dir = str(tmp_path / "int8")
+    killed = tmp_path / f"int8.tmp-{dead_pid()}"  # what an export killed outright left: named, not removed
+    killed.mkdir()
     config = config_for("export", model_dir, "--export_dir", export_dir, "--format", "openvino_int8",
                         "--calibration", str(photo_files))
     assert export.run(config) == status.OK
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"[export] note: 1 temporary file(s) that a killed process left beside the output ({killed}; 0.0 MiB in "
+        "all): delete them")
     path = os.path.join(export_dir, deploy.ARTEFACTS["openvino_int8"][0])
     # NNCF quantized the inputs of the convolutions and the box head's hidden layers, nothing else that computes.
     import openvino
