@@ -44,10 +44,14 @@ def abandoned_note(pattern: str):
 
 
 def _size(path):
-    """Bytes of the file `path`, or of the files under the directory `path`."""
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+    """Bytes of the file `path`, or of the files under the directory `path` (what vanished meanwhile counts 0)."""
+    paths = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names] \
+        if os.path.isdir(path) else [path]
+    total = 0
+    for name in paths:
+        with contextlib.suppress(OSError):
+            total += os.stat(name).st_size
+    return total
 
 
 def _running(pid: int) -> bool:
@@ -55,8 +59,8 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # another user's process: running
+        pass
     return True
 
 
