@@ -27,7 +27,7 @@ def abandoned(pattern: str) -> list:
     found = []
     for path in glob.glob(f"{pattern}.tmp-*"):
         pid = path.rsplit(".tmp-", 1)[1]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not pid_running(int(pid)):
             found.append(path)
     return sorted(found)
 
@@ -54,13 +54,16 @@ def _size(path):
     return total
 
 
-def _running(pid: int) -> bool:
+def pid_running(pid) -> bool:
+    """Whether a process of this host (this pid namespace) has the id `pid`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: running
-        pass
+    except PermissionError:
+        return True  # another user's process
+    except (OverflowError, ValueError):
+        return False  # not a pid
     return True
 
 

@@ -101,18 +101,6 @@ def pid_namespace():
         return None
 
 
-def _pid_exists(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    except (OverflowError, ValueError):
-        return False  # not a pid
-    return True
-
-
 def own_record(argv=None):
     """The lock's content for this process: {host, pid, started (ISO 8601 UTC), boot_id, start_ticks,
     pid_namespace, command (argv, default sys.argv)}."""
@@ -159,7 +147,7 @@ def judge(record):
     if ticks is None and boot_id() is not None:  # Linux: /proc lists every process of this namespace
         return "gone", "its pid does not exist"
     if ticks is None:  # no /proc: a pid that exists is taken to be the holder
-        return ("alive", "") if _pid_exists(record["pid"]) else ("gone", "its pid does not exist")
+        return ("alive", "") if files.pid_running(record["pid"]) else ("gone", "its pid does not exist")
     if recorded_ticks is not None and ticks != recorded_ticks:
         return "gone", "its pid now belongs to a newer process"
     return "alive", ""

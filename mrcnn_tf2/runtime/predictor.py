@@ -220,9 +220,14 @@ class Photo:
     image: np.ndarray  # [h, w, 3] uint8 RGB
 
 
+def _is_encoded(image):
+    """Whether `image` is an image file's path, its bytes or an open binary file."""
+    return isinstance(image, (str, os.PathLike, bytes, bytearray)) or hasattr(image, "read")
+
+
 def is_one_image(image):
     """Whether `image` is one image as `read_image` takes it, rather than a collection of them."""
-    return (isinstance(image, (str, os.PathLike, bytes, bytearray, Image.Image)) or hasattr(image, "read")
+    return (_is_encoded(image) or isinstance(image, Image.Image)
             or (isinstance(image, np.ndarray) and image.ndim != 4))
 
 
@@ -235,7 +240,7 @@ def read_image(image):
     transparency is composited over coco_io.TRANSPARENT_FILL. Raises ValueError for an array of another dtype or
     shape, or without pixels, and what PIL raises for an unreadable file (OSError and others).
     """
-    if isinstance(image, (str, os.PathLike, bytes, bytearray)) or hasattr(image, "read"):
+    if _is_encoded(image):
         with Image.open(io.BytesIO(image) if isinstance(image, (bytes, bytearray)) else image) as opened:
             return read_image(opened)
     if isinstance(image, Image.Image):
