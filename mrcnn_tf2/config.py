@@ -62,6 +62,11 @@ class DataConfig:
     image_size: tuple[int, int] = (832, 1344)
     # Random horizontal flip during training.
     augment_input_data: bool = True
+    # Scale jitter in training (TF Model Garden's names): each image is resized by the resize rule's scale times
+    # a factor drawn uniformly from [aug_scale_min, aug_scale_max], then cut at a random place to image_size
+    # where it is larger; the objects cut off are left out. 1.0 and 1.0: none.
+    aug_scale_min: float = 1.0
+    aug_scale_max: float = 1.0
     # Side of the per-instance GT mask crop the pipeline hands to the mask-target op.
     gt_mask_size: int = 112
     # Ground truth is padded (with -1) to this many instances per image: TAO's default.
@@ -513,6 +518,9 @@ class Config:
         if rpn.rpn_negative_overlap > rpn.rpn_positive_overlap:
             raise ConfigError("model.rpn.rpn_negative_overlap", f"{rpn.rpn_negative_overlap} exceeds "
                               f"model.rpn.rpn_positive_overlap {rpn.rpn_positive_overlap}")
+        if self.data.aug_scale_min > self.data.aug_scale_max:
+            raise ConfigError("data.aug_scale_min", f"{self.data.aug_scale_min} exceeds data.aug_scale_max "
+                              f"{self.data.aug_scale_max}")
         if roi.bg_thresh_lo > roi.bg_thresh_hi:
             raise ConfigError("model.roi.bg_thresh_lo", f"{roi.bg_thresh_lo} exceeds model.roi.bg_thresh_hi "
                               f"{roi.bg_thresh_hi}")
@@ -570,7 +578,8 @@ RANGES = tuple((key, low, high) for keys, low, high in (
     (("model.freeze_blocks",), 0, 4),
 ) for key in keys)
 # The settings that must be above 0 (None allowed where it is the default).
-POSITIVE = ("model.anchors.anchor_scale", "model.bbox_reg_weights", "train.clip_grad_norm")
+POSITIVE = ("model.anchors.anchor_scale", "model.bbox_reg_weights", "train.clip_grad_norm", "data.aug_scale_min",
+            "data.aug_scale_max")
 
 # The values a checkpoint's weights are tied to: a saved run's value of one of these cannot be changed by
 # a later command on the same model_dir (the weights would not fit, or would mean something else).

@@ -9,16 +9,16 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow as tf
-from PIL import Image
+from PIL import Image, ImageDraw
 
-from mrcnn_tf2.config import Config
+from mrcnn_tf2.config import Config, ConfigError
 from mrcnn_tf2.data import coco_io
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, evaluation_images, flip_horizontally,
                                      notice_record_sharding, record_problem, worker_records)
 from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
 from mrcnn_tf2.model.factory import build_anchors, choose_ops
-from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
+from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
 from mrcnn_tf2.ops import anchors as anchor_ops
 from mrcnn_tf2.ops import fused
 
@@ -134,6 +134,89 @@ def test_flip_moves_image_boxes_and_masks_together(records):
                                        atol=1e-3)
             np.testing.assert_allclose(b["gt_masks"][i][real], a["gt_masks"][i][real][:, :, ::-1], atol=1e-5)
     assert 0 < flipped_count < 8
+
+
+# Four solid ellipses of distinct colours on black, within these boxes [ymin, xmin, ymax, xmax] in pixels of a
+# 96 x 128 image (none overlaps another); object i + 1 is of class i + 1.
+ELLIPSES = ((4, 6, 40, 50), (10, 80, 30, 124), (56, 10, 90, 50), (50, 64, 88, 120))
+COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255))
+
+
+def ellipses_record(path):
+    """A TFRecord of one 96 x 128 JPEG image holding ELLIPSES in COLOURS, with their boxes and masks."""
+    picture = Image.new("RGB", (128, 96))
+    masks = []
+    for (ymin, xmin, ymax, xmax), colour in zip(ELLIPSES, COLOURS):
+        ImageDraw.Draw(picture).ellipse([xmin, ymin, xmax - 1, ymax - 1], fill=colour)
+        mask = Image.new("L", (128, 96))
+        ImageDraw.Draw(mask).ellipse([xmin, ymin, xmax - 1, ymax - 1], fill=1)
+        buffer = io.BytesIO()
+        mask.save(buffer, "PNG")
+        masks.append(buffer.getvalue())
+    boxes = np.array(ELLIPSES, np.float32) / [96, 128, 96, 128]
+    encoded = io.BytesIO()
+    picture.save(encoded, "JPEG", quality=100, subsampling=0)  # the colours' edges where they are
+
+    def feature(values, kind):
+        return tf.train.Feature(**{kind: getattr(tf.train, kind.title().replace("_", ""))(value=values)})
+
+    features = {"image/encoded": feature([encoded.getvalue()], "bytes_list"),
+                "image/source_id": feature([b"1"], "bytes_list"), "image/object/mask": feature(masks, "bytes_list"),
+                "image/height": feature([96], "int64_list"), "image/width": feature([128], "int64_list"),
+                "image/object/class/label": feature(range(1, 5), "int64_list"),
+                "image/object/is_crowd": feature([0] * 4, "int64_list")}
+    for i, name in enumerate(("ymin", "xmin", "ymax", "xmax")):
+        features[f"image/object/bbox/{name}"] = feature(boxes[:, i], "float_list")
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        writer.write(tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString())
+
+
+def test_scale_jitter_cuts_the_image_with_its_boxes_and_masks_and_drops_what_it_cuts_off(tmp_path):
+    ellipses_record(tmp_path / "train.tfrecord")
+    config = make_config(augment=True)
+    config.data.image_size = (64, 64)  # the 96 x 128 image fits at scale 0.5, jittered to 0.6 .. 1.5
+    config.data.aug_scale_min, config.data.aug_scale_max = 1.2, 3.0
+    config.data.gt_mask_size = 16
+    batches = first_batches(training_pipeline(config), str(tmp_path / "train.tfrecord"), 24, batch_size=1)
+    scales, objects = set(), []
+    for batch in batches:
+        image = batch["images"][0] * IMAGENET_STD + IMAGENET_MEAN
+        scaled_h, scaled_w, inverse_scale = batch["image_info"][0, :3]
+        scales.add(round(float(inverse_scale), 4))
+        padding = batch["images"][0].copy()
+        padding[:int(scaled_h), :int(scaled_w)] = 0
+        assert not padding.any()  # the image at the top left, at most the canvas
+        classes = batch["gt_classes"][0]
+        kept = classes[classes >= 1]
+        assert len(set(kept)) == len(kept) and np.all(classes[len(kept):] == -1)
+        objects.append(len(kept))
+        for label, colour in enumerate(COLOURS, 1):
+            shown = np.all(np.abs(image - colour) < 60, axis=-1)
+            if label not in kept:  # cut off: at most the blur of an edge shows
+                assert shown.sum() <= 2, (label, shown.sum())
+                continue
+            index = list(classes).index(label)
+            rows, cols = np.nonzero(shown)
+            ymin, xmin, ymax, xmax = box = batch["gt_boxes"][0, index]
+            # The box is around the part shown: the colour's pixels [first, last + 1), up to the edges' blur and
+            # an original pixel (the masks' unit).
+            np.testing.assert_allclose(box, [rows.min(), cols.min(), rows.max() + 1, cols.max() + 1],
+                                       atol=1 + 1 / inverse_scale)
+            # The mask is the part shown, in its box: the colour at its cells' centres (but for the bilinear
+            # samples within a pixel of the ellipse's edge, which all of a sliver of a few pixels is).
+            mask = batch["gt_masks"][0, index]
+            centres = (np.arange(16) + 0.5) / 16
+            colour_there = shown[np.ix_((ymin + centres * (ymax - ymin)).astype(int),
+                                        (xmin + centres * (xmax - xmin)).astype(int))]
+            if min(ymax - ymin, xmax - xmin) * inverse_scale >= 6:
+                assert np.mean(np.abs(mask - colour_there)) < 0.12, (mask.round(1), colour_there)
+            assert mask.max() > 0.5
+    assert len(scales) == len(batches)  # a factor of its own for every element
+    assert min(objects) < 4 and max(objects) == 4  # some cuts leave objects out, the smaller scales keep all
+    # The range is checked.
+    config.data.aug_scale_min = 4.0
+    with pytest.raises(ConfigError, match=r"data.aug_scale_min: 4.0 exceeds data.aug_scale_max 3.0"):
+        config.validate()
 
 
 def test_seeded_training_is_reproducible(records):

@@ -2,10 +2,12 @@
 
 Training: files matching the pattern -> this worker's share (`worker_records`: its own files read
 interleaved, or every N-th record when there are fewer files than N workers) -> shuffle -> decode ->
-drop crowd -> labels checked against num_classes, a record past max_num_instances named -> random horizontal
-flip (image, boxes, mask crops together) -> aspect-preserving resize to fit image_size, ImageNet normalisation,
-pad bottom/right (`preprocess.resize_normalize_pad`, as infer and export do) -> GT masks cropped to their boxes
-at gt_mask_size -> GT padded to max_num_instances with -1 -> RPN targets per level -> batch -> prefetch.
+drop crowd -> labels checked against num_classes, a record past max_num_instances named -> with scale jitter
+(data.aug_scale_min / aug_scale_max), a random resize and cut to image_size (objects clipped to the cut, those
+outside it dropped) -> GT masks cropped to their boxes at gt_mask_size -> random horizontal flip (image, boxes,
+mask crops together) -> aspect-preserving resize to fit image_size (without jitter), ImageNet normalisation,
+pad bottom/right (`preprocess.resize_normalize_pad`, as infer and export do) -> GT padded to max_num_instances
+with -1 -> RPN targets per level -> batch -> prefetch.
 Evaluation: image, image_info and source_id only.
 
 Boxes are [ymin, xmin, ymax, xmax] float32 in pixels of the resized, padded image.
@@ -87,6 +89,52 @@ def crop_instance_masks(masks, boxes, size):
         extrapolation_value=0.0,
     )
     return crops[..., 0]
+
+
+def cut_to_window(boxes, classes, masks, window):
+    """The objects that a part of their image shows, with boxes around what it shows of them.
+
+    A box is clipped to the part and, where the object's mask has pixels in the part, to their extent (a disk
+    cut near its top shows a narrow cap, not the width of its box), as detectron2 recomputes boxes from masks
+    after a crop. An object left without area, or whose mask has pixels but none in the part, is dropped.
+
+    Args:
+      boxes: [K, 4] float32 [ymin, xmin, ymax, xmax] in pixels of the image.
+      classes: [K] int32.
+      masks: [K, h, w] uint8 full-image masks in {0, 1}, or None (a model without masks: boxes are clipped).
+      window: [4] float32 [ymin, xmin, ymax, xmax], the part, in the same pixels.
+
+    Returns:
+      (boxes [K', 4] in the image's pixels, within the window, classes [K'], masks [K', h, w] or None).
+    """
+    boxes = tf.clip_by_value(boxes, tf.tile(window[:2], [2]), tf.tile(window[2:], [2]))
+    keep = tf.ones_like(classes, tf.bool)
+    if masks is not None:
+        def inside(size, low, high):
+            """[size] whether pixel i (covering [i, i + 1)) overlaps [low, high)."""
+            pixels = tf.range(size, dtype=tf.float32)
+            return tf.logical_and(pixels + 1.0 > low, pixels < high)
+
+        height, width = tf.shape(masks)[1], tf.shape(masks)[2]
+        seen = tf.logical_and(masks > 0, tf.logical_and(inside(height, window[0], window[2])[:, None],
+                                                        inside(width, window[1], window[3])[None, :]))
+
+        def extent(covered):
+            """[K] first and one-past-last index that `covered` [K, n] holds, as float32."""
+            first = tf.argmax(tf.cast(covered, tf.int32), axis=1, output_type=tf.int32)
+            last = tf.shape(covered)[1] - tf.argmax(tf.cast(covered[:, ::-1], tf.int32), axis=1, output_type=tf.int32)
+            return tf.cast(first, tf.float32), tf.cast(last, tf.float32)
+
+        top, bottom = extent(tf.reduce_any(seen, axis=2))
+        left, right = extent(tf.reduce_any(seen, axis=1))
+        shown = tf.reduce_any(seen, axis=[1, 2])
+        tight = tf.stack([tf.maximum(boxes[:, 0], top), tf.maximum(boxes[:, 1], left),
+                          tf.minimum(boxes[:, 2], bottom), tf.minimum(boxes[:, 3], right)], axis=1)
+        boxes = tf.where(shown[:, None], tight, boxes)
+        keep = tf.logical_or(shown, tf.logical_not(tf.reduce_any(masks > 0, axis=[1, 2])))
+    keep = tf.logical_and(keep, tf.logical_and(boxes[:, 2] > boxes[:, 0], boxes[:, 3] > boxes[:, 1]))
+    masks = None if masks is None else tf.boolean_mask(masks, keep)
+    return tf.boolean_mask(boxes, keep), tf.boolean_mask(classes, keep), masks
 
 
 def flip_horizontally(image, boxes, *mask_crops):
@@ -374,16 +422,32 @@ class InputPipeline:
         if not data.use_category:
             classes = tf.ones_like(classes)
         self._check_record(example, classes)  # and gt_masks made to wait for its check
+        masks = tf.boolean_mask(example["gt_masks"], keep) if include_mask else None
+        jitter = (data.aug_scale_min, data.aug_scale_max) != (1.0, 1.0)
+        if jitter:
+            # Its own stream of the element's seed, so that the flips and anchor samples stay those of a run
+            # without jitter.
+            draws = tf.random.stateless_uniform(
+                [3], tf.random.experimental.stateless_fold_in(self._stateless_seed(index), 1))
+            factor = data.aug_scale_min + draws[0] * (data.aug_scale_max - data.aug_scale_min)
+            image, image_info, scale, window = self.preprocessor.scale_and_crop(image, factor, draws[1:])
+            boxes, classes, masks = cut_to_window(boxes, classes, masks, window)
         # The mask crops, when the model has a mask branch, travel with the boxes through the flip.
         parts = (image, boxes)
         if include_mask:
-            parts += (crop_instance_masks(tf.boolean_mask(example["gt_masks"], keep), boxes, data.gt_mask_size),)
+            parts += (crop_instance_masks(masks, boxes, data.gt_mask_size),)
+        if jitter:  # the image shows the window from here on
+            parts = (image, (boxes - tf.tile(window[:2], [2])) * scale, *parts[2:])
+            scale = 1.0
         flip_seed, anchor_seed = tf.unstack(tf.random.experimental.stateless_split(self._stateless_seed(index), 2))
         if data.augment_input_data:
             flip = tf.random.stateless_uniform([], flip_seed) < 0.5
             parts = tf.cond(flip, lambda: flip_horizontally(*parts), lambda: parts)
         image, boxes = parts[:2]
-        image, image_info, scale = self.preprocessor.training_example(image)
+        if jitter:
+            image = self.preprocessor.normalize_pad(image)
+        else:
+            image, image_info, scale = self.preprocessor.training_example(image)
         boxes = pad_instances(boxes * scale, data.max_num_instances, PADDING_BOX_VALUE)
         features = {
             "images": image,

@@ -8,6 +8,7 @@ hence the same detections, whichever way it comes in. Each step is also a functi
                  gray and alpha made RGB as `coco_io.to_rgb` makes them: `flatten`)
   resize         [h, w, 3] -> [h', w', 3] float32, the largest aspect-preserving size that fits (H, W), or
                  torchvision's Mask R-CNN rule (shorter side to min_size, longer side at most max_size)
+  scale_and_crop training's scale jitter: the rule's scale times a factor, cut to at most (H, W)
   normalize      ImageNet mean and standard deviation (0..255 scale), per RGB channel
   pad            zeros at the bottom and right, to (H, W)
 
@@ -98,20 +99,15 @@ def resize(image, image_size, min_size=None, max_size=1333):
     image = tf.cast(image, tf.float32)
     if min_size is None:
         target = tf.constant(image_size, tf.float32)
-        scale = tf.reduce_min(target / original)
+        scale = rule_scale(tf.shape(image)[:2], image_size)
         # Rounding could exceed the target by a pixel on the side that does not bind the scale.
         scaled = tf.minimum(tf.round(original * scale), target)
         resized = tf.image.resize(image, tf.cast(scaled, tf.int32), method="bilinear")
         image_info = tf.concat([scaled, [1.0 / scale], original], axis=0)
         return resized, image_info, scale
 
-    for name, value in (("min_size", min_size), ("max_size", max_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    # Python float arithmetic, as torchvision computes the scale and F.interpolate the output size: every
-    # operation is a correctly rounded float64 one, hence the same bits here.
     sides = tf.cast(tf.shape(image)[:2], tf.float64)
-    scale64 = tf.minimum(min_size / tf.reduce_min(sides), max_size / tf.reduce_max(sides))
+    scale64 = rule_scale(tf.shape(image)[:2], image_size, min_size, max_size)
     scaled = tf.cast(tf.floor(sides * scale64), tf.int32)
     target = tf.constant(image_size, tf.int32)
     sizes = [tf.shape(image)[:2], scaled]
@@ -148,6 +144,53 @@ def resize(image, image_size, min_size=None, max_size=1333):
     resized = tf.gather(resized, top) * w_top[:, None, None] + tf.gather(resized, bottom) * w_bottom[:, None, None]
     image_info = tf.concat([tf.cast(scaled, tf.float32), tf.cast([1.0 / scale64], tf.float32), original], axis=0)
     return resized, image_info, tf.cast(scale64, tf.float32)
+
+
+def rule_scale(shape, image_size, min_size=None, max_size=1333):
+    """`resize`'s scale of an image of `shape` [2] int32 (h, w): float32 min(H / h, W / w) when min_size is None,
+    else float64 torchvision's min(min_size / shorter side, max_size / longer side)."""
+    if min_size is None:
+        return tf.reduce_min(tf.constant(image_size, tf.float32) / tf.cast(shape, tf.float32))
+    for name, value in (("min_size", min_size), ("max_size", max_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    # Python float arithmetic, as torchvision computes the scale and F.interpolate the output size: every
+    # operation is a correctly rounded float64 one, hence the same bits here.
+    sides = tf.cast(shape, tf.float64)
+    return tf.minimum(min_size / tf.reduce_min(sides), max_size / tf.reduce_max(sides))
+
+
+def scale_and_crop(image, image_size, factor, position, min_size=None, max_size=1333):
+    """Scale jitter for training: the image resized by `resize`'s rule scale times `factor`, then cut to at most
+    (H, W) where it is larger (TF Model Garden's aug_scale_min / aug_scale_max augmentation).
+
+    Bilinear with half-pixel centres (tf.image.resize), sides rounded to the nearest pixel, at least 1.
+
+    Args:
+      image: [h, w, 3] uint8 or float RGB.
+      image_size: (H, W).
+      factor: scalar float32 > 0, the jitter's multiple of the rule's scale.
+      position: [2] float32 in [0, 1], where the cut lies along each axis's excess (0 top / left, 1 bottom /
+        right); unused along an axis that fits.
+      min_size, max_size: `resize`'s rule.
+
+    Returns:
+      (image [h', w', 3] float32 with h' <= H and w' <= W, image_info [5] float32 [h', w', 1 / scale, h, w],
+       scale scalar float32: model pixels per original pixel, window [4] float32 [ymin, xmin, ymax, xmax]:
+       the original image's part that the output shows, in its pixels).
+    """
+    shape = tf.shape(image)[:2]
+    original = tf.cast(shape, tf.float32)
+    scale = tf.cast(rule_scale(shape, image_size, min_size, max_size), tf.float32) * factor
+    scaled = tf.maximum(tf.cast(tf.round(original * scale), tf.int32), 1)
+    resized = tf.image.resize(tf.cast(image, tf.float32), scaled, method="bilinear")
+    target = tf.constant(image_size, tf.int32)
+    cut = tf.minimum(scaled, target)
+    start = tf.cast(tf.floor(position * tf.cast(scaled - cut, tf.float32)), tf.int32)
+    resized = tf.slice(resized, tf.concat([start, [0]], 0), tf.concat([cut, [3]], 0))
+    window = tf.concat([tf.cast(start, tf.float32), tf.cast(start + cut, tf.float32)], 0) / scale
+    image_info = tf.concat([tf.cast(cut, tf.float32), [1.0 / scale], original], axis=0)
+    return resized, image_info, scale, window
 
 
 def normalize(image):
@@ -208,6 +251,15 @@ class Preprocessor:
     def training_example(self, image):
         """[h, w, 3] uint8 -> (image [H, W, 3] on the canvas, image_info [5], scale)."""
         return resize_normalize_pad(image, self.image_size, self.min_size, self.max_size)
+
+    def scale_and_crop(self, image, factor, position):
+        """Training's scale jitter under this run's resize rule: `scale_and_crop`'s (image [h', w', 3] float32
+        unnormalised, image_info [5], scale, window [4]); `normalize_pad` puts the image on the canvas."""
+        return scale_and_crop(image, self.image_size, factor, position, self.min_size, self.max_size)
+
+    def normalize_pad(self, image):
+        """[h', w', 3] float32 resized RGB (0..255) -> [H, W, 3] normalised on the canvas."""
+        return pad(normalize(image), self.image_size)
 
     def example(self, image):
         """[h, w, 3] uint8 -> (image, image_info [5], scale) for evaluation or inference: on the canvas
