@@ -12,7 +12,8 @@ Evaluation: image, image_info and source_id only.
 
 Boxes are [ymin, xmin, ymax, xmax] float32 in pixels of the resized, padded image.
 `image_info` is [scaled_h, scaled_w, 1 / scale, original_h, original_w]: multiplying a box by
-image_info[2] maps it back to original-image pixels.
+image_info[2] maps it back to original-image pixels (in training with scale jitter, scaled_h x scaled_w is the
+cut's size, and the cut's offset is not undone).
 
 This module reads the config's data settings; the ops it calls take plain arguments. The choice of fused ops
 or twins is not made here: the runtime passes in the anchor-labelling function the factory chose, and the
