@@ -125,7 +125,8 @@ def test_perfect_detections_score_one_for_boxes_and_nearly_one_for_masks(coco_gt
     assert len(results) == num_instances()  # junk past num_detections is not reported
     assert {r["category_id"] for r in results} == set(CATEGORY_IDS)  # identity mapping, ids kept
     metrics = coco_metrics.evaluate(coco_gt, results, IMAGES)
-    assert len(metrics) == 24
+    assert len(metrics) == 2 * (12 + len(CATEGORY_IDS))  # the table's statistics, then each category's AP
+    assert [key for key in metrics if "AP-" in key] == [f"{t}/AP-c{c}" for t in ("bbox", "segm") for c in CATEGORY_IDS]
     for name in coco_metrics.STAT_NAMES:
         assert metrics[f"bbox/{name}"] == pytest.approx(1.0), name
     # The 28x28 crops lose a little of the outline when pasted back (mask IoUs 0.987 to 1 here), which
@@ -150,6 +151,13 @@ def test_detection_labelled_with_another_category_is_a_miss(coco_gt):
     # is perfect; category 7 finds 1 of 2 ranked below a false positive: AP = mean(0.5, 1, 0.5) with
     # COCO's 101-point interpolated precision (1/2 up to recall 0.5, 0 beyond).
     assert metrics["bbox/AP50"] == pytest.approx((51 / 101 * 0.5 + 1.0 + 51 / 101 * 0.5) / 3, abs=1e-6)
+    # The boxes are exact, so every IoU threshold scores alike: each category's AP is its AP50 above, and the AP
+    # is their mean.
+    assert [metrics[f"bbox/AP-c{c}"] for c in CATEGORY_IDS] == pytest.approx([51 / 101 * 0.5, 1.0, 51 / 101 * 0.5])
+    assert metrics["bbox/AP"] == pytest.approx(np.mean([metrics[f"bbox/AP-c{c}"] for c in CATEGORY_IDS]), abs=1e-12)
+    lines = coco_metrics.format_category_table(metrics).splitlines()
+    assert [line.split() for line in lines] == [["category", "bbox", "segm"]] + [
+        [f"c{c}", f"{metrics[f'bbox/AP-c{c}']:.3f}", f"{metrics[f'segm/AP-c{c}']:.3f}"] for c in CATEGORY_IDS]
 
 
 def test_mask_results_take_their_area_from_the_mask(coco_gt):
@@ -188,8 +196,21 @@ def test_only_the_given_images_are_evaluated(coco_gt):
     # Image 13 evaluated without detections: its one category-7 instance is missed (recall 1/2 for 7).
     both = coco_metrics.evaluate(coco_gt, results, [11, 12, 13])
     assert both["bbox/AP"] == pytest.approx((1.0 + 1.0 + 51 / 101) / 3, abs=1e-6)
+    assert [both[f"bbox/AP-c{c}"] for c in CATEGORY_IDS] == pytest.approx([1.0, 1.0, 51 / 101])
     with pytest.raises(ValueError, match="image_ids"):
         coco_metrics.evaluate(coco_gt, results, [11])  # results of image 12 lie outside the set
+    # Category 3 has no instance in images 11 and 13: its AP is undefined, and left out of the mean.
+    results = coco_metrics.detections_to_coco(perfect_predictions((11, 13)), CATEGORY_IDS)
+    apart = coco_metrics.evaluate(coco_gt, results, [11, 13], iou_types=("bbox",))
+    assert [apart[f"bbox/AP-c{c}"] for c in CATEGORY_IDS] == [pytest.approx(1.0), -1.0, pytest.approx(1.0)]
+    assert apart["bbox/AP"] == pytest.approx(1.0)
+    assert coco_metrics.format_category_table(apart).splitlines() == ["category      bbox", "c1           1.000",
+                                                                      "c3             n/a", "c7           1.000"]
+    # Two categories of one name are told apart by their ids.
+    twins = ground_truth()
+    twins.cats[7]["name"] = "c1"
+    named = coco_metrics.evaluate(twins, results, [11, 13], iou_types=("bbox",))
+    assert [key for key in named if "AP-" in key] == ["bbox/AP-c1 (1)", "bbox/AP-c3", "bbox/AP-c1 (7)"]
 
 
 def test_empty_detections_give_zeros(coco_gt):
@@ -199,7 +220,8 @@ def test_empty_detections_give_zeros(coco_gt):
     assert results == []
     metrics = coco_metrics.evaluate(coco_gt, results, IMAGES)
     # Every area range has ground truth here, so every statistic is defined: all are 0.
-    assert metrics == {f"{t}/{name}": 0.0 for t in ("bbox", "segm") for name in coco_metrics.STAT_NAMES}
+    assert metrics == {f"{t}/{name}": 0.0 for t in ("bbox", "segm")
+                       for name in (*coco_metrics.STAT_NAMES, *(f"AP-c{c}" for c in CATEGORY_IDS))}
     assert coco_metrics.evaluate(coco_gt, [], [13])["bbox/APs"] == -1.0  # image 13 has no small object
     assert "n/a" in coco_metrics.format_table(coco_metrics.evaluate(coco_gt, [], [13]))
 
@@ -248,7 +270,7 @@ def test_without_masks_results_have_no_segmentation_and_score_boxes_only(coco_gt
     results = coco_metrics.detections_to_coco(predictions, CATEGORY_IDS)
     assert all("segmentation" not in r for r in results)
     metrics = coco_metrics.evaluate(coco_gt, results, IMAGES, iou_types=("bbox",))
-    assert set(metrics) == {f"bbox/{name}" for name in coco_metrics.STAT_NAMES}
+    assert set(metrics) == {f"bbox/{name}" for name in (*coco_metrics.STAT_NAMES, *(f"AP-c{c}" for c in CATEGORY_IDS))}
     assert coco_metrics.format_table(metrics).splitlines()[0].split() == ["metric", "bbox"]
     with pytest.raises(ValueError, match="segmentation"):
         coco_metrics.evaluate(coco_gt, results, IMAGES)
@@ -337,7 +359,12 @@ def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
     with open(model_dir / "eval_results.json") as f:
         record = json.load(f)
     metrics = record["metrics"]
-    assert set(metrics) == {f"{t}/{name}" for t in ("bbox", "segm") for name in coco_metrics.STAT_NAMES}
+    names = [category["name"] for category in shapes_records["annotations"]["val"]["categories"]]
+    assert set(metrics) == {f"{t}/{name}" for t in ("bbox", "segm")
+                            for name in (*coco_metrics.STAT_NAMES, *(f"AP-{c}" for c in names))}
+    # The table of each category's AP follows the statistics', one row per category.
+    table = out[out.index("category "):].splitlines()
+    assert [line.split()[0] for line in table[1:1 + len(names)]] == names
     assert all(math.isfinite(v) and -1.0 <= v <= 1.0 for v in metrics.values())
     assert record["num_images"] == 3 and record["step"] == TRAINED_STEPS
     assert record["checkpoint"].endswith(f"ckpt-{TRAINED_STEPS}")

@@ -27,6 +27,8 @@ from mrcnn_tf2.ops.masks import encode_pasted_masks
 # The 12 statistics of COCOeval.summarize(), in its order.
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 IOU_TYPES = ("bbox", "segm")
+# Opens the statistic's name of one category's AP: 'bbox/AP-circle'.
+CATEGORY_AP = "AP-"
 # Predicted mask probabilities at or above this are foreground (as in Mask R-CNN).
 MASK_THRESHOLD = 0.5
 
@@ -190,9 +192,10 @@ def evaluate(coco_gt, results, image_ids, iou_types=IOU_TYPES):
       iou_types: subset of ("bbox", "segm").
 
     Returns:
-      dict {'<iou_type>/<stat>': float} for each iou type and each of STAT_NAMES (12 per type). COCO's
-      conventions hold: values in [0, 1], and -1 where a statistic is undefined (no ground truth in its
-      area range). Empty `results` give 0 for every defined statistic (no crash).
+      dict {'<iou_type>/<stat>': float} for each iou type and each of STAT_NAMES (12 per type), then each
+      category's AP, '<iou_type>/AP-<category name>' (`_category_aps`). COCO's conventions hold: values in
+      [0, 1], and -1 where a statistic is undefined (no ground truth in its area range, or of its category).
+      Empty `results` give 0 for every defined statistic (no crash).
 
     Raises:
       ValueError: no image ids, unknown image ids or iou types, or results for images outside image_ids.
@@ -225,7 +228,24 @@ def evaluate(coco_gt, results, image_ids, iou_types=IOU_TYPES):
             evaluator.accumulate()
             evaluator.summarize()
         metrics.update({metric_key(iou_type, name): float(v) for name, v in zip(STAT_NAMES, evaluator.stats)})
+        metrics.update(_category_aps(evaluator, iou_type))
     return metrics
+
+
+def _category_aps(evaluator, iou_type):
+    """{'<iou_type>/AP-<category name>': AP} of an accumulated COCOeval, one per category (detectron2's keys):
+    precision averaged over IoU 0.50:0.95 and recall, all areas, 100 detections per image; -1 for a category
+    without ground truth in the evaluated images. The AP of the table is their mean over the defined ones.
+    A name that several categories share is followed by each one's id: 'AP-car (3)'."""
+    precision = evaluator.eval["precision"][:, :, :, 0, -1]  # [IoUs, recalls, categories]: area all, 100
+    cats = evaluator.cocoGt.cats
+    names = [cats[category]["name"] for category in evaluator.params.catIds]
+    aps = {}
+    for k, (category, name) in enumerate(zip(evaluator.params.catIds, names)):
+        defined = precision[:, :, k][precision[:, :, k] > -1]
+        label = name if names.count(name) == 1 else f"{name} ({category})"
+        aps[metric_key(iou_type, f"{CATEGORY_AP}{label}")] = float(defined.mean()) if defined.size else -1.0
+    return aps
 
 
 def _empty_results(coco_gt):
@@ -253,5 +273,27 @@ def format_table(metrics):
     lines = ["metric  " + "".join(f"{t:>8}" for t in iou_types)]
     for name in STAT_NAMES:
         values = [metrics[metric_key(t, name)] for t in iou_types]
-        lines.append(f"{name:<8}" + "".join(f"{v:8.3f}" if v >= 0 else f"{'n/a':>8}" for v in values))
+        lines.append(f"{name:<8}" + "".join(_number(v) for v in values))
     return "\n".join(lines)
+
+
+def format_category_table(metrics):
+    """A printable table of the per-category APs of a metrics dict from `evaluate`: one row per category in the
+    annotation file's id order, one column per iou type ('n/a' for a category without ground truth), e.g.
+        category     bbox    segm
+        circle      0.712   0.650
+    """
+    iou_types = [t for t in IOU_TYPES if metric_key(t, STAT_NAMES[0]) in metrics]
+    opening = metric_key(iou_types[0], CATEGORY_AP)
+    names = [key[len(opening):] for key in metrics if key.startswith(opening)]
+    width = max([len("category")] + [len(name) for name in names]) + 2
+    lines = [f"{'category':<{width}}" + "".join(f"{t:>8}" for t in iou_types)]
+    for name in names:
+        lines.append(f"{name:<{width}}" + "".join(_number(metrics[metric_key(t, CATEGORY_AP + name)])
+                                                  for t in iou_types))
+    return "\n".join(lines)
+
+
+def _number(value):
+    """A statistic in a table's 8-character column: 'n/a' where COCO leaves it undefined (-1)."""
+    return f"{value:8.3f}" if value >= 0 else f"{'n/a':>8}"

@@ -313,6 +313,7 @@ def run(config, world=SINGLE_PROCESS):
         return status.OK
     time_s = {**evaluation.time_s, "total": time.perf_counter() - total}
     print(coco_metrics.format_table(evaluation.metrics))
+    print(coco_metrics.format_category_table(evaluation.metrics))
     model_s = evaluation.time_s["model"]
     print(f"[eval] {evaluation.num_images} images, {backend.description}: "
           + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in time_s.items()), flush=True)
