@@ -7,6 +7,8 @@ the artefacts take inputs of any size; exported once per module, all formats tog
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import keras
@@ -463,3 +465,21 @@ def test_an_exported_backend_runs_every_image_of_a_batch_as_alone(exported):
             assert both["num_detections"][i] == alone["num_detections"][0] > 0, path
             np.testing.assert_allclose(both["detection_scores"][i], alone["detection_scores"][0], atol=1e-6)
             np.testing.assert_allclose(both["detection_boxes"][i], alone["detection_boxes"][0], atol=1e-4)
+
+
+@pytest.mark.parametrize("level, shown", [("2", False), ("0", True)])
+def test_litert_s_info_line_follows_tensorflow_s_cpp_log_level_and_nothing_else_is_lost(exported, level, shown,
+                                                                                         capfd):
+    # LiteRT prints an INFO line on its first allocation in a process, whatever its settings; main.py hides
+    # TensorFlow's C++ INFO lines (TF_CPP_MIN_LOG_LEVEL 2) unless --verbose. A fresh process for the once.
+    code = ("import numpy as np; from mrcnn_tf2.runtime.predictor import Predictor; "
+            f"print(Predictor({os.path.join(exported, 'model.tflite')!r})(np.full((96, 128, 3), 99, np.uint8))"
+            "['scores'].size)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=level))
+    assert done.returncode == 0 and int(done.stdout) > 0, done.stderr
+    assert ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n" in done.stderr) == shown, done.stderr
+    # What else the C++ writes meanwhile reaches standard error, in its order.
+    with deploy._stderr_without((b"drop me",)):
+        os.write(2, b"keep 1\ndrop me\nkeep 2: drop me\n")
+    assert capfd.readouterr().err == "keep 1\nkeep 2: drop me\n"
