@@ -40,6 +40,11 @@ def exported_files(directory: str) -> list:
     return [name for name in EXPORT_FILES.values() if os.path.isfile(os.path.join(directory, name))]
 
 
+# The 12 statistics of COCOeval.summarize(), in its order, of each of its iou types (evaluation/coco_metrics.py).
+COCO_STATISTICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+COCO_IOU_TYPES = ("bbox", "segm")
+
+
 class ConfigError(ValueError):
     """A setting is invalid. `key` names the flag or config key at fault, `message` what is wrong."""
 
@@ -289,6 +294,9 @@ class EvalConfig:
     # Training stops once every given COCO AP is reached, checked at each evaluation (None: no target).
     min_bbox_map: Optional[float] = None
     min_mask_map: Optional[float] = None
+    # Training keeps the checkpoint whose evaluation scored highest on this statistic in <model_dir>/best, a model
+    # directory of its own ('<bbox or segm>/<one of COCO_STATISTICS>'; None: none kept).
+    best_metric: Optional[str] = "bbox/AP"
 
     def resolved_eval_every_epochs(self) -> Optional[int]:
         """Epochs between evaluations during training; None evaluates only after the last step."""
@@ -541,6 +549,11 @@ class Config:
         for key, value in (("--min_bbox_map", self.eval.min_bbox_map), ("--min_mask_map", self.eval.min_mask_map)):
             if value is not None and not self.eval.eval_file:
                 raise ConfigError(key, "stopping at a target AP needs --eval_file (the validation annotations)")
+        best, masks = self.eval.best_metric, self.model.include_mask
+        kinds = COCO_IOU_TYPES if masks else COCO_IOU_TYPES[:1]
+        if best is not None and best not in {f"{kind}/{name}" for kind in kinds for name in COCO_STATISTICS}:
+            raise ConfigError("eval.best_metric", f"'{best}' is not one of ({'|'.join(kinds)})/({'|'.join(COCO_STATISTICS)})"
+                                                  + ("" if masks else " (the model has no mask branch)"))
         if self.eval.min_mask_map is not None and not self.model.include_mask:
             raise ConfigError("--min_mask_map", "the model has no mask branch (model.include_mask=false)")
 

@@ -450,3 +450,49 @@ def test_main_eval_without_checkpoint_or_annotations_exits_2(tmp_path, shapes_re
     assert "no checkpoint" in err and str(tmp_path / "empty_run") in err
     assert main.main(["eval", *data, *SMALL_FLAGS]) == 2
     assert "--eval_file is required" in capsys.readouterr().err
+
+
+def test_the_best_evaluation_s_checkpoint_is_kept_as_a_model_directory_of_its_own(tmp_path, monkeypatch):
+    import tensorflow as tf
+
+    from mrcnn_tf2.runtime.evaluate import BEST_DIR, BEST_FILE, keep_best
+
+    value = tf.Variable(0.0)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(value=value), str(tmp_path), max_to_keep=1)
+    (tmp_path / "config.json").write_text('{"run": 1}')
+    recorded, kept = {}, []
+    # The metric of steps 1..5; only the newest checkpoint stays in the model directory.
+    for step, ap in enumerate((0.2, 0.5, 0.4, 0.5, 0.6), 1):
+        value.assign(float(step))
+        manager.save(checkpoint_number=step)
+        metrics = {"bbox/AP": ap, "segm/AP": 1.0 - ap}
+        kept.append(keep_best(str(tmp_path), "bbox/AP", step, metrics, recorded))
+        recorded[str(step)] = metrics
+        best = tmp_path / BEST_DIR
+        step_kept = json.loads((best / BEST_FILE).read_text())["step"]
+        # The best so far (step 4 ties step 2: the earlier stays), readable after its original is gone.
+        assert step_kept == {1: 1, 2: 2, 3: 2, 4: 2, 5: 5}[step]
+        assert tf.train.latest_checkpoint(str(best)) == str(best / f"ckpt-{step_kept}")
+        tf.train.Checkpoint(value=value).read(str(best / f"ckpt-{step_kept}")).assert_existing_objects_matched()
+        assert value.numpy() == step_kept
+    assert [path is not None for path in kept] == [True, True, False, False, True]
+    assert sorted(os.listdir(tmp_path / BEST_DIR)) == ["best.json", "checkpoint", "ckpt-5.data-00000-of-00001",
+                                                       "ckpt-5.index", "config.json"]
+    assert (tmp_path / BEST_DIR / "config.json").read_text() == '{"run": 1}'
+    assert json.loads((tmp_path / BEST_DIR / BEST_FILE).read_text()) == {
+        "step": 5, "metric": "bbox/AP", "value": 0.6, "metrics": {"bbox/AP": 0.6, "segm/AP": 0.4}}
+    # Another statistic decides alone; none keeps nothing.
+    assert keep_best(str(tmp_path), "segm/AP", 5, recorded["5"], recorded) is None  # 0.4 < step 1's 0.8
+    assert keep_best(str(tmp_path), None, 5, recorded["5"], recorded) is None
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name or ".old" in name]
+    # Where files cannot be hard-linked (another file system), they are copied.
+    def no_link(source, target):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    value.assign(6.0)
+    manager.save(checkpoint_number=6)
+    assert keep_best(str(tmp_path), "bbox/AP", 6, {"bbox/AP": 0.9}, recorded) == str(tmp_path / BEST_DIR / "ckpt-6")
+    value.assign(0.0)
+    tf.train.Checkpoint(value=value).read(str(tmp_path / BEST_DIR / "ckpt-6")).assert_existing_objects_matched()
+    assert value.numpy() == 6.0

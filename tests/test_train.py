@@ -21,8 +21,10 @@ import main
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import Config, ConfigError
 from mrcnn_tf2.model.factory import choose_ops
+from mrcnn_tf2.runtime import evaluate as evaluate_runtime
 from mrcnn_tf2.runtime import train as train_runtime
-from mrcnn_tf2.runtime.evaluate import TRAINING_RESULTS_FILE, TrainingEvaluator, targets_reached
+from mrcnn_tf2.runtime.evaluate import (BEST_DIR, BEST_FILE, RESULTS_FILE, TRAINING_RESULTS_FILE, TrainingEvaluator,
+                                        targets_reached)
 from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
 from mrcnn_tf2.status import FAILURE
 from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, file_size_limit,
@@ -565,7 +567,19 @@ def test_training_evaluates_logs_the_aps_and_stops_at_the_target(tmp_path, shape
     config.eval.min_bbox_map = 1.0
     assert train_runtime.Trainer(config).run() == 0
     assert [r["step"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "eval"] == [1, 2, 3]
-    assert list(json.loads((tmp_path / TRAINING_RESULTS_FILE).read_text())) == ["1", "2", "3"]
+    recorded = json.loads((tmp_path / TRAINING_RESULTS_FILE).read_text())
+    assert list(recorded) == ["1", "2", "3"]
+    # The checkpoint of the highest box AP (the first of a tie) is kept in best/, a model directory of its own.
+    aps = [recorded[str(step)]["bbox/AP"] for step in (1, 2, 3)]
+    best = json.loads((tmp_path / BEST_DIR / BEST_FILE).read_text())
+    assert best["step"] == 1 + aps.index(max(aps)) and best["value"] == max(aps)
+    assert [(r["step"], r["bbox/AP"]) for r in read_log(tmp_path / "log.jsonl") if r["event"] == "best"][-1] == (
+        best["step"], f"{max(aps):.4f}")
+    _, again = parse(["eval", "--model_dir", str(tmp_path / BEST_DIR)])
+    assert again.eval.eval_samples == 2 and again.data.data_dir == shapes_records["data_dir"]  # the run's config
+    assert evaluate_runtime.run(again) == 0
+    scored = json.loads((tmp_path / BEST_DIR / RESULTS_FILE).read_text())
+    assert scored["step"] == best["step"] and scored["metrics"]["bbox/AP"] == pytest.approx(max(aps), abs=1e-6)
 
 
 def test_a_stop_signal_during_an_evaluation_abandons_it_and_keeps_the_steps_checkpoint(tmp_path, shapes_records,

@@ -21,12 +21,11 @@ import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.config import COCO_IOU_TYPES, COCO_STATISTICS, ConfigError
 from mrcnn_tf2.ops.masks import encode_pasted_masks
 
-# The 12 statistics of COCOeval.summarize(), in its order.
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
-IOU_TYPES = ("bbox", "segm")
+STAT_NAMES = COCO_STATISTICS
+IOU_TYPES = COCO_IOU_TYPES
 # Opens the statistic's name of one category's AP: 'bbox/AP-circle'.
 CATEGORY_AP = "AP-"
 # Predicted mask probabilities at or above this are foreground (as in Mask R-CNN).

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import os
 import re
+import shutil
 import sys
 
 import tensorflow as tf
@@ -88,6 +89,28 @@ class CheckpointKeeper:
         if failures:
             raise RuntimeError(f"no readable checkpoint in {self.manager.directory}: tried {'; '.join(failures)}")
         return None
+
+
+def copy_checkpoint(prefix, directory, contents):
+    """Makes `directory` a model directory of the checkpoint `prefix` alone, replacing what it held, at once
+    (`files.atomic_path`): the checkpoint's files, hard-linked where the file system allows (no bytes copied, and
+    they outlive the CheckpointManager's removal of the originals) or else copied, the `checkpoint` index that
+    tf.train.latest_checkpoint reads, and `contents` {file name: bytes}. Returns the new prefix."""
+    name = os.path.basename(prefix)
+    with files.atomic_path(directory) as temporary:
+        os.makedirs(temporary)
+        for source in tf.io.gfile.glob(f"{prefix}.*"):
+            target = os.path.join(temporary, os.path.basename(source))
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copyfile(source, target)
+        contents = {"checkpoint": f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n'.encode(),
+                    **contents}
+        for file_name, data in contents.items():
+            with open(os.path.join(temporary, file_name), "wb") as f:
+                f.write(data)
+    return os.path.join(directory, name)
 
 
 def find_checkpoint(path):

@@ -21,10 +21,11 @@ import time
 import warnings
 
 from mrcnn_tf2 import files, status
-from mrcnn_tf2.config import ConfigError
+from mrcnn_tf2.config import SAVED_CONFIG_FILE, ConfigError
 from mrcnn_tf2.data.pipeline import InputPipeline, evaluation_images
 from mrcnn_tf2.evaluation import coco_metrics
 from mrcnn_tf2.model.factory import choose_ops
+from mrcnn_tf2.runtime import checkpoints
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.predictor import ModelBackend, concat_batches, open_backend, same_shape_batches
 
@@ -33,6 +34,10 @@ DETECTIONS_FILE = "detections.json"
 # In model_dir: the metrics of training's evaluations by step ({"<step>": {'bbox/AP': ...}}), which tell a resumed
 # run whether its checkpoint's step met the target APs or still owes its evaluation (`TrainingEvaluator.resume`).
 TRAINING_RESULTS_FILE = "train_evaluations.json"
+# In model_dir: the model directory of the checkpoint whose evaluation in training scored highest on
+# eval.best_metric, with BEST_FILE saying which (`TrainingEvaluator._keep_best`).
+BEST_DIR = "best"
+BEST_FILE = "best.json"
 # The COCO statistic of each AP that training reports and can stop at: box AP and mask AP.
 AP_KEYS = {"bbox": coco_metrics.metric_key("bbox", "AP"), "mask": coco_metrics.metric_key("segm", "AP")}
 
@@ -190,7 +195,8 @@ class TrainingEvaluator:
     It evaluates after every eval.resolved_eval_every_epochs() epochs and after the last step, with
     `run_evaluation` on the live model (the code of `main.py eval`), and logs the statistics: the APs on
     the console, every statistic to the JSON-lines log (event 'eval') and to TensorBoard ('bbox/AP', ...).
-    Training stops once `targets_reached` says so. Under a launcher every rank has one: the ranks evaluate
+    Training stops once `targets_reached` says so. The checkpoint of the best evaluation on eval.best_metric is
+    kept in BEST_DIR (`keep_best`). Under a launcher every rank has one: the ranks evaluate
     their shares of the images, rank 0 scores and logs, and every rank gets its decision to stop.
     """
 
@@ -221,7 +227,8 @@ class TrainingEvaluator:
         or the process died in it), else None. A new run forgets an earlier run's results in model_dir."""
         action = problem = None
         if self.world.is_chief and not step:
-            files.remove(os.path.join(self.config.runtime.model_dir, TRAINING_RESULTS_FILE))
+            for name in (TRAINING_RESULTS_FILE, BEST_DIR):
+                files.remove(os.path.join(self.config.runtime.model_dir, name))
         elif self.world.is_chief:
             try:
                 metrics = self._recorded().get(str(step))
@@ -253,8 +260,13 @@ class TrainingEvaluator:
                 + f"  ({evaluation.num_images} images, {seconds:.1f} s)")
         logger.metrics(step, {**metrics, "eval_images": evaluation.num_images, "eval_time_s": seconds}, line,
                        event="eval")
+        recorded = self._recorded()
         files.write_json(os.path.join(self.config.runtime.model_dir, TRAINING_RESULTS_FILE),
-                         {**self._recorded(), str(step): metrics}, indent=1)
+                         {**recorded, str(step): metrics}, indent=1)
+        kept = keep_best(self.config.runtime.model_dir, self.config.eval.best_metric, step, metrics, recorded)
+        if kept:
+            key = self.config.eval.best_metric
+            logger.event("best", step=step, **{key: f"{metrics[key]:.4f}"}, path=kept)
         return self._reached(metrics, step, logger, "stopping training")
 
     def _recorded(self):
@@ -281,6 +293,28 @@ class TrainingEvaluator:
                                                      for name, target in targets.items() if target is not None},
                      message=message)
         return True
+
+
+def keep_best(model_dir, key, step, metrics, recorded):
+    """Makes the checkpoint of update `step` in `model_dir` the one in its BEST_DIR, with the run's config and
+    BEST_FILE, when the step's `metrics` beat every earlier evaluation of the run on statistic `key` (a tie keeps
+    the earlier); returns the checkpoint prefix in BEST_DIR then, else None.
+
+    Args:
+      model_dir: the training's model directory, holding ckpt-<step> and its config.json.
+      key: a statistic of `metrics` ('bbox/AP', ...), or None: nothing is kept.
+      step: the evaluated update.
+      metrics: the evaluation's {'bbox/AP': float, ...}.
+      recorded: the run's evaluations {"<step>": metrics} (TRAINING_RESULTS_FILE's), this one included or not.
+    """
+    earlier = [other[key] for other_step, other in recorded.items() if other_step != str(step) and key in other]
+    if key is None or (earlier and metrics[key] <= max(earlier)):
+        return None
+    with open(os.path.join(model_dir, SAVED_CONFIG_FILE), "rb") as f:
+        config = f.read()
+    best = {"step": step, "metric": key, "value": metrics[key], "metrics": metrics}
+    return checkpoints.copy_checkpoint(os.path.join(model_dir, f"ckpt-{step}"), os.path.join(model_dir, BEST_DIR),
+                                       {SAVED_CONFIG_FILE: config, BEST_FILE: json.dumps(best, indent=1).encode()})
 
 
 def _fail(message, world=SINGLE_PROCESS):
