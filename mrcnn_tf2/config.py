@@ -552,7 +552,8 @@ class Config:
         best, masks = self.eval.best_metric, self.model.include_mask
         kinds = COCO_IOU_TYPES if masks else COCO_IOU_TYPES[:1]
         if best is not None and best not in {f"{kind}/{name}" for kind in kinds for name in COCO_STATISTICS}:
-            raise ConfigError("eval.best_metric", f"'{best}' is not one of ({'|'.join(kinds)})/({'|'.join(COCO_STATISTICS)})"
+            choices = f"({'|'.join(kinds)})/({'|'.join(COCO_STATISTICS)})"
+            raise ConfigError("eval.best_metric", f"'{best}' is not one of {choices}"
                                                   + ("" if masks else " (the model has no mask branch)"))
         if self.eval.min_mask_map is not None and not self.model.include_mask:
             raise ConfigError("--min_mask_map", "the model has no mask branch (model.include_mask=false)")
