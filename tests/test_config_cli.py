@@ -294,6 +294,12 @@ def main_status(argv, capsys):
         (["--clip_grad_norm", "0"], ["--clip_grad_norm: 0.0 must be > 0"]),
         (["--momentum", "1.5"], ["--momentum: 1.5 must lie in [0, 1]"]),
         (["--image_size", "0", "64"], ["--image_size: 0 64 must be >= 1"]),
+        (["--config_override", "data.aug_scale_min=0"], ["data.aug_scale_min: 0.0 must be > 0"]),
+        (["--config_override", "data.aug_scale_min=2"], ["data.aug_scale_min: 2.0 exceeds data.aug_scale_max 1.0"]),
+        (["--config_override", "eval.best_metric=mask/AP"],
+         ["eval.best_metric: 'mask/AP' is not one of (bbox|segm)/(AP|AP50|AP75|APs|APm|APl|AR1|AR10|AR100|ARs|"]),
+        (["--config_override", "eval.best_metric=segm/AP", "--config_override", "model.include_mask=false"],
+         ["eval.best_metric: 'segm/AP' is not one of (bbox)/(AP|", "(the model has no mask branch)"]),
     ],
 )
 def test_invalid_input_exits_2_with_one_line_naming_the_flag(argv, names, capsys):
