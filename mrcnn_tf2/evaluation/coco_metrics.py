@@ -24,6 +24,7 @@ from pycocotools.cocoeval import COCOeval
 from mrcnn_tf2.config import COCO_IOU_TYPES, COCO_STATISTICS, ConfigError
 from mrcnn_tf2.ops.masks import encode_pasted_masks
 
+# The 12 statistics of COCOeval.summarize(), in its order, and its iou types (the config names them too).
 STAT_NAMES = COCO_STATISTICS
 IOU_TYPES = COCO_IOU_TYPES
 # Opens the statistic's name of one category's AP: 'bbox/AP-circle'.
@@ -279,8 +280,8 @@ def format_table(metrics):
 def format_category_table(metrics):
     """A printable table of the per-category APs of a metrics dict from `evaluate`: one row per category in the
     annotation file's id order, one column per iou type ('n/a' for a category without ground truth), e.g.
-        category     bbox    segm
-        circle      0.712   0.650
+        category      bbox    segm
+        circle       0.588   0.640
     """
     iou_types = [t for t in IOU_TYPES if metric_key(t, STAT_NAMES[0]) in metrics]
     opening = metric_key(iou_types[0], CATEGORY_AP)

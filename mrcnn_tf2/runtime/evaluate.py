@@ -35,7 +35,7 @@ DETECTIONS_FILE = "detections.json"
 # run whether its checkpoint's step met the target APs or still owes its evaluation (`TrainingEvaluator.resume`).
 TRAINING_RESULTS_FILE = "train_evaluations.json"
 # In model_dir: the model directory of the checkpoint whose evaluation in training scored highest on
-# eval.best_metric, with BEST_FILE saying which (`TrainingEvaluator._keep_best`).
+# eval.best_metric, with BEST_FILE saying which (`keep_best`).
 BEST_DIR = "best"
 BEST_FILE = "best.json"
 # The COCO statistic of each AP that training reports and can stop at: box AP and mask AP.
