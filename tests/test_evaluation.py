@@ -485,6 +485,8 @@ def test_the_best_evaluation_s_checkpoint_is_kept_as_a_model_directory_of_its_ow
     assert keep_best(str(tmp_path), "segm/AP", 5, recorded["5"], recorded) is None  # 0.4 < step 1's 0.8
     assert keep_best(str(tmp_path), None, 5, recorded["5"], recorded) is None
     assert not [name for name in os.listdir(tmp_path) if ".tmp" in name or ".old" in name]
+    # What else is in it stays (an export or inference outputs of the best model so far).
+    (tmp_path / BEST_DIR / "inference").mkdir()
     # Where files cannot be hard-linked (another file system), they are copied.
     def no_link(source, target):
         raise OSError(18, "Invalid cross-device link")
@@ -496,3 +498,5 @@ def test_the_best_evaluation_s_checkpoint_is_kept_as_a_model_directory_of_its_ow
     value.assign(0.0)
     tf.train.Checkpoint(value=value).read(str(tmp_path / BEST_DIR / "ckpt-6")).assert_existing_objects_matched()
     assert value.numpy() == 6.0
+    assert sorted(os.listdir(tmp_path / BEST_DIR)) == ["best.json", "checkpoint", "ckpt-6.data-00000-of-00001",
+                                                       "ckpt-6.index", "config.json", "inference"]

@@ -92,24 +92,28 @@ class CheckpointKeeper:
 
 
 def copy_checkpoint(prefix, directory, contents):
-    """Makes `directory` a model directory of the checkpoint `prefix` alone, replacing what it held, at once
-    (`files.atomic_path`): the checkpoint's files, hard-linked where the file system allows (no bytes copied, and
-    they outlive the CheckpointManager's removal of the originals) or else copied, the `checkpoint` index that
-    tf.train.latest_checkpoint reads, and `contents` {file name: bytes}. Returns the new prefix."""
+    """Makes the checkpoint `prefix` the one checkpoint of the model directory `directory` (made if need be), with
+    `contents` {file name: bytes} beside it, and returns its new prefix. Its files are hard-linked where the file
+    system allows (no bytes copied, and they outlive the CheckpointManager's removal of the originals), else
+    copied; each file is written under a temporary name and renamed, the `checkpoint` index that
+    tf.train.latest_checkpoint reads comes after the checkpoint's files and before `contents`, and the checkpoint
+    it named before is removed last, so that a reader finds a whole checkpoint at every moment. Other files there
+    (an export, inference outputs) are left as they are."""
     name = os.path.basename(prefix)
-    with files.atomic_path(directory) as temporary:
-        os.makedirs(temporary)
-        for source in tf.io.gfile.glob(f"{prefix}.*"):
-            target = os.path.join(temporary, os.path.basename(source))
+    os.makedirs(directory, exist_ok=True)
+    before = tf.train.latest_checkpoint(directory)
+    for source in tf.io.gfile.glob(f"{prefix}.*"):
+        with files.atomic_path(os.path.join(directory, os.path.basename(source))) as temporary:
             try:
-                os.link(source, target)
+                os.link(source, temporary)
             except OSError:
-                shutil.copyfile(source, target)
-        contents = {"checkpoint": f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n'.encode(),
-                    **contents}
-        for file_name, data in contents.items():
-            with open(os.path.join(temporary, file_name), "wb") as f:
-                f.write(data)
+                shutil.copyfile(source, temporary)
+    index = f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n'
+    for file_name, data in {"checkpoint": index.encode(), **contents}.items():
+        files.write_bytes(os.path.join(directory, file_name), data)
+    if before is not None and os.path.basename(before) != name:
+        for old in tf.io.gfile.glob(f"{before}.*"):
+            files.remove(old)
     return os.path.join(directory, name)
 
 
