@@ -44,7 +44,7 @@ _EXTRAS = {
 }
 # format -> (artefact file inside the export directory, optional extra, modules the extra provides)
 ARTEFACTS = {fmt: (EXPORT_FILES[fmt], *extra) for fmt, extra in _EXTRAS.items()}
-# The lines LiteRT's C++ prints to standard error at INFO level on every run (its first allocation of tensors).
+# The lines LiteRT's C++ prints to standard error at INFO level, once per process (at its first allocation of tensors).
 LITERT_INFO = (b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",)
 OUTPUTS = ("detection_boxes", "detection_classes", "detection_masks", "detection_scores", "num_detections")
 ONNX_OPSET = 17
