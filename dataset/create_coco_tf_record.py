@@ -729,9 +729,11 @@ def _note_stale_shards(output_dir, tag, shard_paths):
 def build_parser():
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--image_dir", required=True, help="directory of the images")
-    parser.add_argument("--annotations_file", required=True, help="COCO instances JSON")
-    parser.add_argument("--output_dir", required=True, help="where the shards and <tag>_warnings.json go")
+    # A leading ~ is the home directory, also where no shell expanded it (a quoted path, a job spec).
+    parser.add_argument("--image_dir", required=True, type=os.path.expanduser, help="directory of the images")
+    parser.add_argument("--annotations_file", required=True, type=os.path.expanduser, help="COCO instances JSON")
+    parser.add_argument("--output_dir", required=True, type=os.path.expanduser,
+                        help="where the shards and <tag>_warnings.json go")
     parser.add_argument("--tag", help="shard name prefix (default: from the annotation file, e.g. val2017)")
     parser.add_argument(
         "--num_shards", type=int, help=f"shards (default: one per {IMAGES_PER_SHARD} images, at most "

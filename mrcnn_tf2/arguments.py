@@ -205,6 +205,11 @@ _FLAGS = {
                   "off: the pure-TF twins (the convs still follow the device). The choice is printed at start"),
     ),
 }
+# The flags that name files or directories: a leading ~ is the home directory, as a shell would expand it where it
+# does not (a quoted '~/photos/*.jpg', a job spec run without a shell).
+_PATH_FLAGS = ("data_dir", "model_dir", "backbone_checkpoint", "init_checkpoint", "eval_file", "log_file",
+               "log_tensorboard", "input", "output_dir", "label_map", "visualize_font", "exported", "export_dir",
+               "calibration")
 # config path -> its flag, for errors that name a setting by its path.
 _FLAG_OF_KEY = {path: f"--{flag}" for flag, (path, _) in _FLAGS.items()}
 
@@ -232,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = _DEFAULTS.get(path)
         shown = list(default) if isinstance(default, tuple) else default
         kwargs = dict(kwargs, help=f"{kwargs['help']} (default: {shown})")
+        if flag in _PATH_FLAGS:
+            kwargs["type"] = os.path.expanduser
         parser.add_argument(*names, default=argparse.SUPPRESS, **kwargs)
     parser.add_argument(
         "--finetune_bn",

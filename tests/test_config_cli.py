@@ -764,3 +764,15 @@ def test_training_appends_its_log_only_to_a_runs_log_or_a_new_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     for name in ("log.jsonl", "empty.jsonl", "new.jsonl"):
         check(tmp_path / name)
+
+
+def test_a_path_flag_starting_with_a_tilde_is_under_the_home_directory(tmp_path, monkeypatch):
+    # As a shell expands it where none did: a quoted glob, a job spec run without a shell.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert set(arguments._PATH_FLAGS) <= set(arguments._FLAGS)
+    _, config = arguments.parse(["infer", "--model_dir", "~/m", "--input", "~/photos/*.jpg", "--output_dir", "~/out",
+                                 "--label_map", "~", "--data_dir", "data~/~"])
+    assert (config.runtime.model_dir, config.infer.input, config.infer.output_dir, config.infer.label_map) == (
+        f"{tmp_path}/m", f"{tmp_path}/photos/*.jpg", f"{tmp_path}/out", str(tmp_path))
+    assert config.data.data_dir == "data~/~"  # only a leading one
+    assert arguments.parse(["train", "--model_dir", "~/m"])[1].runtime.model_dir == f"{tmp_path}/m"

@@ -716,3 +716,11 @@ def test_compressed_rle_counts_match_pycocotools(rng):
         assert converter.compressed_rle_counts(counts) == encode_uncompressed_rle(mask)["counts"]
     assert converter.compressed_rle_counts("a") is None  # a value whose continuation bit runs off the end
     assert converter.compressed_rle_counts("0 ") is None  # a character outside the code range
+
+
+def test_paths_starting_with_a_tilde_are_under_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = converter.build_parser().parse_args(["--image_dir", "~/images", "--annotations_file", "~/a.json",
+                                                "--output_dir", "~/records"])
+    assert (args.image_dir, args.annotations_file, args.output_dir) == (
+        f"{tmp_path}/images", f"{tmp_path}/a.json", f"{tmp_path}/records")
