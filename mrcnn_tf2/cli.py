@@ -11,9 +11,8 @@ import logging
 import os
 import re
 import sys
-import tempfile
 
-from mrcnn_tf2 import status
+from mrcnn_tf2 import console, status
 from mrcnn_tf2.arguments import check_inputs, parse
 from mrcnn_tf2.config import ConfigError
 
@@ -41,29 +40,10 @@ STARTUP_NOISE = re.compile(
     r"util\.cc.*oneDNN supports DT_\w+ only on platforms with AVX-512")
 
 
-@contextlib.contextmanager
 def quiet_tensorflow_start(enabled=True):
-    """Holds back what is written to the process's stderr (file descriptor 2, where TensorFlow's C++ code
-    writes) inside the block, then writes it out without STARTUP_NOISE's lines; does nothing unless
-    `enabled`."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
-                    if not STARTUP_NOISE.search(line)]
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()
+    """A block whose writes to the process's stderr come out after it without STARTUP_NOISE's lines
+    (`console.stderr_without`); nothing is held back unless `enabled`."""
+    return console.stderr_without(STARTUP_NOISE.search) if enabled else contextlib.nullcontext()
 
 
 def set_tensorflow_environment(onednn=None, environ=os.environ, verbose=False):

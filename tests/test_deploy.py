@@ -18,7 +18,7 @@ import tensorflow as tf
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from mrcnn_tf2 import cli, status
+from mrcnn_tf2 import cli, console, status
 from mrcnn_tf2.arguments import parse
 from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.preprocess import Preprocessor
@@ -479,9 +479,9 @@ def test_litert_s_info_line_follows_tensorflow_s_cpp_log_level_and_nothing_else_
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=level))
         assert done.returncode == 0, done.stderr
-        lines = [line.encode() for line in done.stderr.splitlines()]
+        lines = done.stderr.splitlines()
         assert bool(set(deploy.LITERT_INFO) & set(lines)) == (name == "LiteRT alone"), (name, done.stderr)
     # What else the C++ writes meanwhile reaches standard error, in its order.
-    with deploy._stderr_without((b"drop me",)):
+    with console.stderr_without(lambda line: line.rstrip("\n") == "drop me"):
         os.write(2, b"keep 1\ndrop me\nkeep 2: drop me\n")
     assert capfd.readouterr().err == "keep 1\nkeep 2: drop me\n"

@@ -23,13 +23,12 @@ import contextlib
 import importlib
 import os
 import re
-import sys
-import tempfile
 import threading
 
 import numpy as np
 import tensorflow as tf
 
+from mrcnn_tf2 import console
 from mrcnn_tf2.config import EXPORT_FILES, ConfigError
 from mrcnn_tf2.model.stages import RoIAligner
 from mrcnn_tf2.ops import fused as fused_ops
@@ -45,7 +44,7 @@ _EXTRAS = {
 # format -> (artefact file inside the export directory, optional extra, modules the extra provides)
 ARTEFACTS = {fmt: (EXPORT_FILES[fmt], *extra) for fmt, extra in _EXTRAS.items()}
 # The lines LiteRT's C++ prints to standard error at INFO level, once per process (at its first allocation of tensors).
-LITERT_INFO = (b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",)
+LITERT_INFO = ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",)
 OUTPUTS = ("detection_boxes", "detection_classes", "detection_masks", "detection_scores", "num_detections")
 ONNX_OPSET = 17
 
@@ -55,27 +54,6 @@ def _cpp_info_hidden():
     --verbose): LiteRT's, which no setting of its own reaches, follow it."""
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
     return level.isdigit() and int(level) >= 1
-
-
-@contextlib.contextmanager
-def _stderr_without(lines):
-    """Runs the block with file descriptor 2 (where C++ libraries write) captured, then writes back to it all
-    that the block wrote but the `lines` (bytes, whole lines). Nothing is captured when `lines` is empty."""
-    if not lines:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            written = capture.read().splitlines(keepends=True)
-            os.write(2, b"".join(line for line in written if line.rstrip(b"\r\n") not in lines))
 
 
 def require_extra(fmt):
@@ -352,7 +330,8 @@ class Runner:
         def run(images, image_info):
             if shape.get("images") != images.shape:
                 interpreter.resize_tensor_input(inputs["images"], images.shape)
-                with _stderr_without(LITERT_INFO if _cpp_info_hidden() else ()):
+                with (console.stderr_without(lambda line: line.rstrip("\r\n") in LITERT_INFO)
+                      if _cpp_info_hidden() else contextlib.nullcontext()):
                     interpreter.allocate_tensors()  # the first one applies the XNNPACK delegate
                 shape["images"] = images.shape
             interpreter.set_tensor(inputs["images"], images)

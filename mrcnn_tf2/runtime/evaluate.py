@@ -307,8 +307,10 @@ def keep_best(model_dir, key, step, metrics, recorded):
       metrics: the evaluation's {'bbox/AP': float, ...}.
       recorded: the run's evaluations {"<step>": metrics} (TRAINING_RESULTS_FILE's), this one included or not.
     """
+    if key is None:
+        return None
     earlier = [other[key] for other_step, other in recorded.items() if other_step != str(step) and key in other]
-    if key is None or (earlier and metrics[key] <= max(earlier)):
+    if earlier and metrics[key] <= max(earlier):
         return None
     with open(os.path.join(model_dir, SAVED_CONFIG_FILE), "rb") as f:
         config = f.read()
