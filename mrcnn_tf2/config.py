@@ -261,6 +261,10 @@ class TrainConfig:
     learning_rate_values: tuple[float, ...] = (1e-2, 1e-3, 1e-4)
     learning_rate_boundaries: tuple[float, ...] = (0.3, 8.0, 10.0)
     learning_rate_batch_size: int = 8
+    # One of LEARNING_RATE_SCHEDULES. piecewise: the above. cosine: the same warm-up, then half a cosine from
+    # learning_rate_values[0] down to learning_rate_values[-1] at the run's last update (epochs); the other
+    # boundaries and values are unused.
+    learning_rate_schedule: str = "piecewise"
     # A floor on the warm-up in updates, so that a small data set (or a benchmark's short epoch) still
     # ramps up gently from random weights; later boundaries still apply at their epochs.
     warmup_min_steps: int = 500
@@ -496,6 +500,12 @@ class Config:
             )
         if any(b <= a for a, b in zip(boundaries, boundaries[1:])) or (boundaries and boundaries[0] < 0):
             raise ConfigError("--learning_rate_boundaries", f"{list(boundaries)} must be increasing and >= 0")
+        if self.train.learning_rate_schedule not in LEARNING_RATE_SCHEDULES:
+            raise ConfigError("train.learning_rate_schedule",
+                              f"'{self.train.learning_rate_schedule}' is not one of {LEARNING_RATE_SCHEDULES}")
+        if self.train.learning_rate_schedule == "cosine" and len(values) < 2:
+            raise ConfigError("train.learning_rate_schedule", "cosine decays from the first --learning_rate_values to "
+                                                              f"the last: {list(values)} has one; give two")
         if self.model.backbone not in BACKBONES:
             raise ConfigError("--backbone", f"'{self.model.backbone}' is not one of {', '.join(BACKBONES)}")
         if self.runtime.amp_dtype not in AMP_DTYPES:
@@ -630,6 +640,7 @@ EXPORT_FILES = {
 EXPORT_FORMATS = tuple(EXPORT_FILES)
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 MASK_PASTES = ("exact", "torchvision")
+LEARNING_RATE_SCHEDULES = ("piecewise", "cosine")
 NORMS = ("none", "batch")
 JPEG_DCT_METHODS = ("", "INTEGER_FAST", "INTEGER_ACCURATE")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

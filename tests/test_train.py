@@ -3,6 +3,7 @@ corrupt checkpoints, benchmark, evaluation during training and the early stop at
 
 import fcntl
 import json
+import math
 import os
 import select
 import shutil
@@ -25,7 +26,7 @@ from mrcnn_tf2.runtime import evaluate as evaluate_runtime
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import (BEST_DIR, BEST_FILE, RESULTS_FILE, TRAINING_RESULTS_FILE, TrainingEvaluator,
                                         targets_reached)
-from mrcnn_tf2.runtime.schedule import WarmupPiecewiseConstant, learning_rate_schedule
+from mrcnn_tf2.runtime.schedule import WarmupCosine, WarmupPiecewiseConstant, learning_rate_schedule
 from mrcnn_tf2.status import FAILURE
 from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, file_size_limit,
                            lines_until, main_py, read_log, run_main, small_config, synthetic_batch, trainer_for)
@@ -60,6 +61,26 @@ def test_warmup_lasts_at_least_warmup_min_steps_but_ends_at_the_second_boundary(
     short = learning_rate_schedule(train, steps_per_epoch=50, global_batch_size=8)
     assert short.boundaries == [400, 400, 500]
     assert float(short(200)) == pytest.approx(0.005) and float(short(400)) == pytest.approx(0.001)
+
+
+def test_cosine_schedule_warms_up_then_decays_as_half_a_cosine_to_the_last_value_at_the_runs_end():
+    schedule = WarmupCosine(0.01, 10, 110, 0.1, 0.002)
+    assert [float(schedule(step)) for step in (0, 5, 10)] == pytest.approx([0.01, 0.055, 0.1])
+    for step in (10, 35, 60, 85, 110):  # a quarter, a half, three quarters of the way
+        expected = 0.002 + 0.049 * (1 + math.cos(math.pi * (step - 10) / 100))
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-6)
+    assert float(schedule(60)) == pytest.approx(0.051)
+    assert float(schedule(110)) == float(schedule(10_000)) == pytest.approx(0.002)
+    rates = [float(schedule(step)) for step in range(10, 111)]
+    assert all(b < a for a, b in zip(rates, rates[1:]))
+
+    train = Config().train  # epochs 12; 1e-2 ... 1e-4 at a global batch of 8; warm-up 0.3 epochs, at least 500
+    train.learning_rate_schedule = "cosine"
+    schedule = learning_rate_schedule(train, steps_per_epoch=100, global_batch_size=16)
+    assert isinstance(schedule, WarmupCosine) and schedule.boundaries == [500] and schedule.total_steps == 1200
+    assert schedule.values == pytest.approx([0.02, 0.0002])  # the first and last values, scaled to the batch
+    assert float(schedule(250)) == pytest.approx(0.01) and float(schedule(850)) == pytest.approx(0.0101)
+    assert float(learning_rate_schedule(train, 3, 16, constant=True)(700)) == pytest.approx(0.002)
 
 
 def test_benchmark_schedule_is_a_tenth_of_the_rate_after_warmup_at_every_step():
@@ -485,6 +506,11 @@ def test_a_schedule_that_does_not_act_at_the_runs_length_is_said_and_one_that_do
     assert notice(config, 40) is None
     config.train.epochs, config.runtime.benchmark = 1, True  # a constant rate
     assert notice(config, 40) is None
+    config = Config()
+    config.train.learning_rate_schedule, config.train.epochs = "cosine", 8  # decays to the run's end: no drop comes late
+    assert notice(config, 1000) is None
+    assert notice(config, 50).startswith(warmup.format(500) + "train.warmup_min_steps = 500 updates) outlasts the "
+                                         "run (400 updates)")
 
 
 def test_a_resumed_run_reads_which_evaluations_it_has_and_refuses_a_record_it_cannot_read(tmp_path, shapes_records):
