@@ -507,7 +507,7 @@ def test_a_schedule_that_does_not_act_at_the_runs_length_is_said_and_one_that_do
     config.train.epochs, config.runtime.benchmark = 1, True  # a constant rate
     assert notice(config, 40) is None
     config = Config()
-    config.train.learning_rate_schedule, config.train.epochs = "cosine", 8  # decays to the run's end: no drop comes late
+    config.train.learning_rate_schedule, config.train.epochs = "cosine", 8  # decays until the end: no late drop
     assert notice(config, 1000) is None
     assert notice(config, 50).startswith(warmup.format(500) + "train.warmup_min_steps = 500 updates) outlasts the "
                                          "run (400 updates)")
