@@ -268,6 +268,9 @@ class TrainConfig:
     # A floor on the warm-up in updates, so that a small data set (or a benchmark's short epoch) still
     # ramps up gently from random weights; later boundaries still apply at their epochs.
     warmup_min_steps: int = 500
+    # Keep an exponential moving average of the weights, of this decay (e.g. 0.9998), which evaluation, inference,
+    # export and --init_checkpoint then use (runtime/weight_average.py); None: none.
+    ema_decay: Optional[float] = None
     # Clip the gradients to this global norm (after averaging over workers, unscaled); None: no clipping.
     clip_grad_norm: Optional[float] = None
     momentum: float = 0.9
@@ -594,6 +597,7 @@ _FRACTIONS = ("model.rpn.rpn_positive_overlap", "model.rpn.rpn_negative_overlap"
               "model.roi.fg_thresh", "model.roi.bg_thresh_hi", "model.roi.bg_thresh_lo", "model.test.test_nms",
               "model.test.test_score_threshold", "model.anchors.anchor_offset", "eval.min_bbox_map",
               "eval.min_mask_map", "infer.visualize_score_threshold",
+              "train.ema_decay",
               "train.momentum")  # above 1 the velocity grows at every step: training diverges
 RANGES = tuple((key, low, high) for keys, low, high in (
     (_COUNTS, 1, None), (_NON_NEGATIVE, 0, None), (_FRACTIONS, 0, 1),

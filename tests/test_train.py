@@ -26,7 +26,9 @@ from mrcnn_tf2.runtime import evaluate as evaluate_runtime
 from mrcnn_tf2.runtime import train as train_runtime
 from mrcnn_tf2.runtime.evaluate import (BEST_DIR, BEST_FILE, RESULTS_FILE, TRAINING_RESULTS_FILE, TrainingEvaluator,
                                         targets_reached)
+from mrcnn_tf2.runtime.predictor import load_model
 from mrcnn_tf2.runtime.schedule import WarmupCosine, WarmupPiecewiseConstant, learning_rate_schedule
+from mrcnn_tf2.runtime.weight_average import WeightAverage
 from mrcnn_tf2.status import FAILURE
 from tests.support import (ROOT, SMALL_FLAGS, TRAINED_STEPS, combined_batch, equally_weighted_config, file_size_limit,
                            lines_until, main_py, read_log, run_main, small_config, synthetic_batch, trainer_for)
@@ -101,6 +103,77 @@ def test_build_creates_every_variable_from_shapes_alone_and_runs_nothing():
     trainer.update_function()([synthetic_batch(config)])
     assert [variable.path for variable in trainer.model.variables] == built  # the step's trace created none
     assert all(np.any(v.numpy()) for v in means)
+
+
+def test_the_weight_average_moves_by_its_ramped_decay_and_copies_the_other_variables():
+    def model(units=2):
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(units), keras.layers.BatchNormalization()])
+
+    live, shadow = model(), model()
+    average = WeightAverage(live, shadow, decay=0.5)
+    average.reset()
+    expected = [v.numpy() for v in live.trainable_variables]
+    rng = np.random.default_rng(0)
+    for n in range(1, 12):  # the ramp (1 + n) / (10 + n) reaches the decay 0.5 at n = 8
+        for variable in live.variables:
+            variable.assign(rng.normal(size=variable.shape))
+        average.update(tf.constant(n, tf.int64))
+        decay = min(0.5, (1 + n) / (10 + n))
+        expected = [decay * e + (1 - decay) * v.numpy() for e, v in zip(expected, live.trainable_variables)]
+        for kept, wanted in zip(shadow.trainable_variables, expected):
+            np.testing.assert_allclose(kept.numpy(), wanted, rtol=1e-6, atol=1e-6)
+        for copy, variable in zip(shadow.non_trainable_variables, live.non_trainable_variables):
+            np.testing.assert_array_equal(copy.numpy(), variable.numpy())  # batch norm's moving statistics
+    with pytest.raises(ValueError, match="does not fit the model's"):
+        WeightAverage(live, model(units=4), decay=0.5)
+
+
+def test_a_run_keeping_a_weight_average_evaluates_infers_and_fine_tunes_from_it(tmp_path, capsys):
+    """train.ema_decay: the update moves the average (a second model), training's evaluation runs it, the
+    checkpoint holds it for load_model (eval, infer, export) and --init_checkpoint, and a resumed run must keep it."""
+    def weights(model):
+        return [v.numpy() for v in model.trainable_variables]
+
+    _, config = parse(["train", *SMALL_FLAGS, "--model_dir", str(tmp_path / "run"),
+                       "--config_override", "train.ema_decay=0.5"])
+    config.train.init_learning_rate = 0.005  # the warm-up starts here: step 0 must move the weights
+    trainer = trainer_for(config)  # from scratch: batch norm's statistics move too
+    logger = train_runtime.RunLogger(os.devnull, verbose=False)
+    assert trainer._restore_or_initialise(logger) == 0
+    expected = weights(trainer.model)
+    assert all(np.array_equal(a, w) for a, w in zip(weights(trainer.shadow), expected))  # a new run starts there
+    update, batch = trainer.update_function(), synthetic_batch(config)
+    for n in (1, 2):
+        update([batch])
+        decay = (1 + n) / (10 + n)  # below 0.5
+        expected = [decay * e + (1 - decay) * w for e, w in zip(expected, weights(trainer.model))]
+    for kept, wanted in zip(weights(trainer.shadow), expected):
+        np.testing.assert_allclose(kept, wanted, rtol=1e-5, atol=1e-7)
+    assert not all(np.array_equal(a, w) for a, w in zip(weights(trainer.shadow), weights(trainer.model)))
+    for copy, variable in zip(trainer.shadow.non_trainable_variables, trainer.model.non_trainable_variables):
+        np.testing.assert_array_equal(copy.numpy(), variable.numpy())
+
+    evaluated = []
+    evaluator = types.SimpleNamespace(evaluate=lambda model, *_, **__: evaluated.append(model) or False)
+    assert trainer._evaluate(evaluator, 2, logger, types.SimpleNamespace(signum=0)) == (False, 0)
+    assert evaluated == [trainer.shadow]
+    trainer.keeper.save(2)
+    loaded = load_model(config)
+    assert all(np.array_equal(a, w) for a, w in zip(weights(loaded.model), weights(trainer.shadow)))
+
+    _, tune = parse(["train", *SMALL_FLAGS, "--model_dir", str(tmp_path / "tune"),
+                     "--init_checkpoint", str(tmp_path / "run")])
+    tuner = trainer_for(tune)
+    tuner._restore_or_initialise(logger)
+    assert tuner.shadow is None and f"loaded {len(tuner.model.variables)} model variables (its run's moving average" \
+        " of them)" in capsys.readouterr().out
+    # All of them: the fine-tuning run freezes batch norm and the first blocks (counted as pretrained).
+    assert all(np.array_equal(a.numpy(), w.numpy()) for a, w in zip(tuner.model.variables, trainer.shadow.variables))
+
+    config.train.ema_decay = None
+    with pytest.raises(ConfigError, match=r"train.ema_decay: .*ckpt-2 holds an average of the weights and this run "
+                                          r"keeps none \(ema_decay None\): a run keeps the average"):
+        trainer_for(config)._restore_or_initialise(logger)
 
 
 def test_accumulated_update_equals_one_update_on_the_larger_batch():

@@ -24,6 +24,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from mrcnn_tf2 import files
 from mrcnn_tf2.config import SAVED_CONFIG_FILE, ConfigError, load_saved_config
+from mrcnn_tf2.runtime.weight_average import AVERAGE_KEY
 
 INIT_FLAG = "--init_checkpoint"
 # A training checkpoint's model, as CheckpointKeeper's tf.train.Checkpoint(model=...) names it.
@@ -177,7 +178,8 @@ class TrainingCheckpoint:
     The constructor reads the index and the object graph, so that a file that is no such checkpoint fails
     before any work; the weights are read by load_model_weights.
 
-    Attributes: `prefix`; `step`, the training step it was written at (None when it holds no step).
+    Attributes: `prefix`; `step`, the training step it was written at (None when it holds no step); `averaged`,
+    whether the weights read are the moving average its run kept (train.ema_decay) rather than the last step's.
 
     Raises ConfigError('--init_checkpoint') naming `prefix` when it is unreadable or holds no model.
     """
@@ -198,6 +200,8 @@ class TrainingCheckpoint:
             raise ConfigError(INIT_FLAG, f"{prefix} holds no model ({', '.join(sorted(self.tops)) or 'nothing'}): "
                                          "it is not a training checkpoint (a pretrained backbone goes to "
                                          "--backbone_checkpoint)")
+        self.averaged = AVERAGE_KEY in self.tops
+        self.source = AVERAGE_KEY if self.averaged else MODEL_KEY
 
     def load_model_weights(self, model, class_layers=(), absent=()):
         """Assigns `model`'s variables their values in the checkpoint; its optimizer, step and everything
@@ -218,11 +222,11 @@ class TrainingCheckpoint:
           shaped otherwise there (with both shapes) and each of its variables the model does not have (then
           nothing is assigned), or naming the checkpoint when its values are unreadable.
         """
-        graph, model_node = self.graph, self.tops[MODEL_KEY]
+        graph, model_node = self.graph, self.tops[self.source]
         # Keras' model refers to its optimizer, whose variables include the model's trainable ones: the
         # walks below stay out of it (and the checkpoint's other top-level objects), where they would find
         # the model's variables under the optimizer's names.
-        outside = {node for name, node in self.tops.items() if name != MODEL_KEY}
+        outside = {node for name, node in self.tops.items() if name != self.source}
         optimizer = getattr(model, "optimizer", None)
 
         def stored_children(node):

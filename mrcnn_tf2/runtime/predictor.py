@@ -33,8 +33,10 @@ from mrcnn_tf2.model.factory import OpChoice, build_model, choose_ops
 from mrcnn_tf2.ops import masks as mask_ops
 from mrcnn_tf2.ops import fixed
 from mrcnn_tf2.runtime import deploy
+from mrcnn_tf2.runtime.checkpoints import MODEL_KEY
 from mrcnn_tf2.runtime.distributed import SINGLE_PROCESS
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
+from mrcnn_tf2.runtime.weight_average import AVERAGE_KEY, holds_average
 
 # The traced predict functions of each model, {fixed_weights: function}, so that repeated evaluations during training
 # trace once.
@@ -183,7 +185,9 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         step_variable = tf.Variable(0, dtype=tf.int64, trainable=False)
         # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
         try:
-            restored = tf.train.Checkpoint(model=model, step=step_variable).read(checkpoint)
+            # The weights' moving average where training kept one (train.ema_decay), else the last step's weights.
+            key = AVERAGE_KEY if holds_average(checkpoint) else MODEL_KEY
+            restored = tf.train.Checkpoint(**{key: model}, step=step_variable).read(checkpoint)
             restored.expect_partial().assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

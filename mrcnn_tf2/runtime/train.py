@@ -42,6 +42,7 @@ from mrcnn_tf2.runtime.evaluate import EVALUATE, REACHED, EvaluationStopped, Tra
 from mrcnn_tf2.runtime.logger import RunLogger, format_duration
 from mrcnn_tf2.runtime.precision import describe_precision, set_precision
 from mrcnn_tf2.runtime.schedule import learning_rate_schedule
+from mrcnn_tf2.runtime.weight_average import AVERAGE_KEY, WeightAverage, holds_average
 
 # The dynamic loss scale's start (Keras's default): high, since an overflow halves it at once while growing
 # takes 2000 finite steps per doubling.
@@ -120,6 +121,9 @@ class Trainer:
         optimizer = (keras.optimizers.LossScaleOptimizer(self.sgd, initial_scale=INITIAL_LOSS_SCALE) if self.loss_scaled
                      else self.sgd)
         self.model = build_model(config)
+        # The weights' moving average lives in a second model (weight_average.py), made WeightAverage in build().
+        self.shadow = build_model(config) if train.ema_decay is not None else None
+        self.average = None
         self.ops = choose_ops(config)  # the model's (build_model asks the same), said once at start-up
         # The input pipeline labels the model's anchors with the RPN-target op the factory chose for the model.
         self.rpn_targets = self.ops.rpn_targets
@@ -139,6 +143,9 @@ class Trainer:
         if not self.model.built:
             self.model.build()
         self.optimizer.build(self.model.trainable_variables)
+        if self.shadow is not None and self.average is None:
+            self.shadow.build()
+            self.average = WeightAverage(self.model, self.shadow, self.config.train.ema_decay)
 
     def checkpointed(self):
         """{name: object} of what a checkpoint holds (after `build`).
@@ -153,8 +160,11 @@ class Trainer:
         else:
             scale = tf.Variable(INITIAL_LOSS_SCALE, dtype=tf.float32, trainable=False)
             growth = tf.Variable(0, dtype=tf.int64, trainable=False)
-        return dict(model=self.model, optimizer=self.sgd, step=self.step, skipped_steps=self.skipped_steps,
-                    loss_scale=tf.train.Checkpoint(scale=scale, growth_steps=growth))
+        objects = dict(model=self.model, optimizer=self.sgd, step=self.step, skipped_steps=self.skipped_steps,
+                       loss_scale=tf.train.Checkpoint(scale=scale, growth_steps=growth))
+        if self.average is not None:
+            objects[AVERAGE_KEY] = self.shadow
+        return objects
 
     def update_function(self):
         """tf.function(batches) -> (losses averaged over the accumulate_steps batches, skipped), after one update.
@@ -167,7 +177,7 @@ class Trainer:
         skipped: int64 scalar, 1 when the LossScaleOptimizer skipped the update (its float16 gradients
         overflowed; it then halves the loss scale), else 0.
         """
-        model, optimizer, world = self.model, self.optimizer, self.world
+        model, optimizer, world, average = self.model, self.optimizer, self.world, self.average
         count = self.config.train.accumulate_steps
 
         def update(batches):
@@ -185,6 +195,8 @@ class Trainer:
             # so that the step, the iterations and the learning rate logged and applied stay one count.
             skipped = tf.cast(tf.equal(optimizer.iterations, iterations), tf.int64)
             optimizer.iterations.assign_add(skipped)
+            if average is not None:
+                average.update(optimizer.iterations)
             self.skipped_steps.assign_add(skipped)
             self.step.assign_add(1)
             return {name: value / count for name, value in losses.items()}, skipped
@@ -237,16 +249,20 @@ class Trainer:
         self.build()
         # Only rank 0 reads model_dir and the checkpoints a run starts from: other machines need not see them.
         if self.world.is_chief:
-            self._restore_or_load_pretrained(logger)
+            resumed = self._restore_or_load_pretrained(logger)
+            if self.average is not None and not resumed:
+                self.average.reset()  # a new run averages from its first weights on
+        average = self.average.variables if self.average is not None else []
         self.world.broadcast_variables([*self.model.variables, *self.optimizer.variables, self.step,
-                                        self.skipped_steps])
+                                        self.skipped_steps, *average])
         return int(self.step.numpy())
 
     def _restore_or_load_pretrained(self, logger):
         """Restores the latest checkpoint, or loads the init checkpoint's model or the pretrained backbone in
-        a new run."""
+        a new run; returns whether it restored."""
         runtime, train = self.config.runtime, self.config.train
         self.keeper = CheckpointKeeper(runtime.model_dir, runtime.keep_checkpoints, **self.checkpointed())
+        self._check_average_kept_alike()
         path = self.keeper.restore_latest()
         if path is not None:
             logger.event("resumed", checkpoint=path, step=int(self.step.numpy()))
@@ -272,6 +288,26 @@ class Trainer:
             check_backbone_metadata(train.backbone_checkpoint, self.config.model)
             load_backbone_checkpoint(self.model.backbone, train.backbone_checkpoint, self.config.model.backbone)
             logger.event("backbone loaded", checkpoint=train.backbone_checkpoint)
+        return path is not None
+
+    def _check_average_kept_alike(self):
+        """Raises ConfigError naming train.ema_decay when the newest checkpoint of model_dir holds a weight average
+        and this run keeps none, or the reverse: a resumed run would lose the average, or start one from the
+        weights of some later step while its checkpoints claimed to average the whole run."""
+        latest = self.keeper.manager.latest_checkpoint
+        if latest is None:
+            return
+        try:
+            held = holds_average(latest)
+        except tf.errors.OpError:
+            return  # unreadable: restore_latest reports it and falls back
+        if held != (self.average is not None):
+            kept = "holds an average of the weights" if held else "holds no average of the weights"
+            wanted = (f"this run keeps one (ema_decay {self.config.train.ema_decay:g})" if self.average is not None
+                      else "this run keeps none (ema_decay None)")
+            raise ConfigError("train.ema_decay", f"{latest} {kept} and {wanted}: a run keeps the average from its "
+                                                 "start to its end; resume with the setting it started with, or "
+                                                 "start a new run (--init_checkpoint takes its weights)")
 
     def _load_init_checkpoint(self, logger):
         """Assigns the model the weights of the init checkpoint and reports what was loaded: the optimizer
@@ -286,7 +322,8 @@ class Trainer:
         checkpoint = self.init_checkpoint
         loaded = checkpoint.load_model_weights(model, class_layers, absent)
         step = "" if checkpoint.step is None else f" (step {checkpoint.step})"
-        print(f"[train] init checkpoint {checkpoint.prefix}{step}: loaded {loaded.loaded} model variables; the "
+        weights = "model variables (its run's moving average of them)" if checkpoint.averaged else "model variables"
+        print(f"[train] init checkpoint {checkpoint.prefix}{step}: loaded {loaded.loaded} {weights}; the "
               "optimizer, step and learning rate schedule start fresh", flush=True)
         for name, stored, shape in loaded.reinitialised:
             print(f"[train] init checkpoint: {name} newly initialised: {stored} in the checkpoint, {shape} in "
@@ -295,7 +332,7 @@ class Trainer:
             print(f"[train] init checkpoint: ignored its {len(loaded.ignored)} mask head variables (the model has "
                   f"no mask head): {', '.join(name for name, _ in loaded.ignored)}", flush=True)
         logger.event("init checkpoint loaded", echo=False, checkpoint=checkpoint.prefix, step=checkpoint.step,
-                     variables=loaded.loaded,
+                     variables=loaded.loaded, averaged=checkpoint.averaged,
                      reinitialised=[dict(variable=name, checkpoint_shape=stored, model_shape=shape)
                                     for name, stored, shape in loaded.reinitialised],
                      ignored=[name for name, _ in loaded.ignored])
@@ -430,7 +467,8 @@ class Trainer:
         signal that abandoned the evaluation, else 0)."""
         self.evaluating = step
         try:
-            return evaluator.evaluate(self.model, step, logger, stopping=lambda: stops.signum), 0
+            model = self.model if self.average is None else self.shadow  # the weights inference will use
+            return evaluator.evaluate(model, step, logger, stopping=lambda: stops.signum), 0
         except EvaluationStopped as stopped:
             return False, stopped.signum
         finally:
