@@ -5,6 +5,7 @@ The suite's small model (SMALL_FLAGS, freshly initialised) with each image padde
 the artefacts take inputs of any size; exported once per module, all formats together.
 """
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -70,8 +71,21 @@ def export_all(model_dir, name, *flags, formats=FORMATS):
 
 @pytest.fixture(scope="module")
 def exported(model_dir):
-    """The export directory of the model with every format."""
-    return export_all(model_dir, "exported")
+    """The export directory of the model with every format, written without a warning of TensorFlow's loggers (the
+    TFLite converter's, absl's, on a deprecated call, for one)."""
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    loggers = (tf.get_logger(), logging.getLogger("absl"))
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        export_dir = export_all(model_dir, "exported")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert [record.getMessage() for record in warnings] == []
+    return export_dir
 
 
 def saved_model_detections(saved_model, image):

@@ -147,7 +147,10 @@ def convert(fmt, function, path, calibration=None):
     if fmt == "onnx":
         _to_onnx(function, path)
     elif fmt in ("tflite", "tflite_fp16"):
-        converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()])
+        concrete = function.get_concrete_function()
+        # The function as its own trackable object: TensorFlow converts it by the same concrete-function route as
+        # with none, and does not print that giving none is deprecated.
+        converter = tf.lite.TFLiteConverter.from_concrete_functions([concrete], trackable_obj=concrete)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # LiteRT runs no Flex ops
         if fmt == "tflite_fp16":
             converter.optimizations = [tf.lite.Optimize.DEFAULT]

@@ -138,8 +138,8 @@ class Trainer:
     # -- the update ---------------------------------------------------------------------------------------
 
     def build(self):
-        """Creates every variable (model, optimizer slots) so that checkpoints restore eagerly (once: a second call
-        changes nothing)."""
+        """Creates every variable (model, optimizer slots, the weight average's model) so that checkpoints restore
+        eagerly (once: a second call changes nothing)."""
         if not self.model.built:
             self.model.build()
         self.optimizer.build(self.model.trainable_variables)
@@ -372,6 +372,9 @@ class Trainer:
         if self.world.is_chief:
             print(f"[train] {describe_precision(self.policy, runtime.amp, self.loss_scaled)}", flush=True)
             print(f"[train] {self.ops.describe()}", flush=True)
+            if self.shadow is not None:
+                print(f"[train] keeping a moving average of the weights (train.ema_decay {config.train.ema_decay:g}): the "
+                      "evaluations, and eval, infer and export of this model directory, use it", flush=True)
         start = self._restore_or_initialise(logger)
         # The first batch before anything is written, so that unreadable data stops the run first.
         try:
