@@ -14,6 +14,7 @@ import argparse
 import glob
 import json
 import os
+import re
 
 from mrcnn_tf2 import presets
 from mrcnn_tf2.config import (AMP_DTYPES, BACKBONES, CUSTOM_OPS_MODES, EXPORT_FORMATS, MODEL_DEFINING_KEYS,
@@ -177,6 +178,11 @@ _FLAGS = {
                   "export directory's SavedModel) in its runtime instead of the newest checkpoint; --model_dir "
                   "defaults to its directory, whose config.json it reads"),
     ),
+    "checkpoint": (
+        "infer.checkpoint",
+        dict(help="eval, infer, export: read this training checkpoint instead of the newest: its prefix (e.g. "
+                  "runs/m/ckpt-600; --model_dir defaults to its directory) or a step number of --model_dir's"),
+    ),
     "export_dir": (
         "export.export_dir", dict(help="directory of the exported artefacts (None: <model_dir>/saved_model)"),
     ),
@@ -209,7 +215,7 @@ _FLAGS = {
 # does not (a quoted '~/photos/*.jpg', a job spec run without a shell).
 _PATH_FLAGS = ("data_dir", "model_dir", "backbone_checkpoint", "init_checkpoint", "eval_file", "log_file",
                "log_tensorboard", "input", "output_dir", "label_map", "visualize_font", "exported", "export_dir",
-               "calibration")
+               "calibration", "checkpoint")
 # config path -> its flag, for errors that name a setting by its path.
 _FLAG_OF_KEY = {path: f"--{flag}" for flag, (path, _) in _FLAGS.items()}
 
@@ -294,10 +300,13 @@ def config_with_sources(args: argparse.Namespace) -> tuple[Config, dict]:
     if args.preset:
         for path, value in presets.values(args.preset).items():
             apply(path, value, f"--preset {args.preset}", "--preset")
-    model_dir = getattr(args, "model_dir", None) or exported_directory(getattr(args, "exported", None)) \
-        or _DEFAULTS.runtime.model_dir
-    if not hasattr(args, "model_dir") and getattr(args, "exported", None):
-        apply("runtime.model_dir", model_dir, "--exported", "--exported")
+    # --exported and a --checkpoint prefix imply the model directory they are in.
+    implied = [(flag, directory) for flag, directory in (
+        ("--exported", exported_directory(getattr(args, "exported", None))),
+        ("--checkpoint", _checkpoint_directory(getattr(args, "checkpoint", None)))) if directory]
+    model_dir = getattr(args, "model_dir", None) or (implied[0][1] if implied else _DEFAULTS.runtime.model_dir)
+    if not hasattr(args, "model_dir") and implied:
+        apply("runtime.model_dir", model_dir, implied[0][0], implied[0][0])
     saved = load_saved_config(model_dir)
     saved_file = os.path.join(model_dir, SAVED_CONFIG_FILE)
     for path, value in (saved or {}).items():
@@ -369,6 +378,7 @@ def check_inputs(mode: str, config: Config) -> None:
         raise ConfigError("--eval_file", f"no such file {config.eval.eval_file}")
     if mode == "infer" and config.infer.label_map and not os.path.isfile(config.infer.label_map):
         raise ConfigError("--label_map", f"no such file {config.infer.label_map}")
+    _check_checkpoint(mode, config)
     font = config.infer.visualize_font
     if mode == "infer" and font and not config.infer.visualize:
         raise ConfigError("--visualize_font", "draws the labels of --visualize's pictures: give --visualize too")
@@ -398,6 +408,27 @@ def check_inputs(mode: str, config: Config) -> None:
             where = directory if existing == directory else f"{directory} (in {existing})"
             raise ConfigError(flag, f"{where} cannot be written (a read-only file system, or no permission): "
                                     f"{mode} writes its results there")
+
+
+def _check_checkpoint(mode, config):
+    """Raises ConfigError naming --checkpoint when `mode` does not read one, --exported names another model, or it
+    names no checkpoint (then the error lists model_dir's)."""
+    chosen = config.infer.checkpoint
+    if chosen is None:
+        return
+    if mode == "train":
+        raise ConfigError("--checkpoint", "eval, infer and export read it; training resumes from --model_dir's "
+                                          "newest checkpoint, or starts a new run from another with --init_checkpoint")
+    if config.infer.exported:
+        raise ConfigError("--checkpoint", f"{chosen} and --exported {config.infer.exported} name two models: give one")
+    model_dir = config.runtime.model_dir
+    prefix = config.infer.resolved_checkpoint(model_dir)
+    if not os.path.isfile(f"{prefix}.index"):
+        steps = sorted(int(name[len("ckpt-"):-len(".index")]) for name in os.listdir(model_dir)
+                       if re.fullmatch(r"ckpt-\d+\.index", name)) if os.path.isdir(model_dir) else []
+        held = f"steps {' '.join(map(str, steps))}" if steps else "none"
+        raise ConfigError("--checkpoint", f"{prefix} is not a checkpoint (no {prefix}.index); the checkpoints of "
+                                          f"--model_dir {model_dir}: {held}")
 
 
 def _nearest_existing(path):
@@ -436,12 +467,22 @@ def exported_directory(path):
     return directory
 
 
+def _checkpoint_directory(checkpoint):
+    """The directory of a --checkpoint prefix; None for a step number (or no flag)."""
+    if not checkpoint or checkpoint.isdigit():
+        return None
+    return os.path.dirname(checkpoint) or "."
+
+
 def config_for_path(path):
-    """The Config `Predictor(path)` runs: `main.py infer --exported path` for an artefact file or an export
-    directory (`exported_files`), else `main.py infer --model_dir path`. Raises ConfigError."""
+    """The Config `Predictor(path)` runs: `main.py infer --checkpoint path` for a training checkpoint's prefix,
+    `--exported path` for an artefact file or an export directory (`exported_files`), else `--model_dir path`.
+    Raises ConfigError."""
     if path is None:
-        raise ConfigError("path", "name a model directory or an exported artefact")
+        raise ConfigError("path", "name a model directory, a checkpoint or an exported artefact")
     path = os.fspath(path)
+    if os.path.isfile(f"{path}.index"):
+        return config_with_sources(build_parser().parse_args(["infer", "--checkpoint", path]))[0]
     if not os.path.exists(path):
         raise ConfigError("path", f"{path}: no such file or directory")
     if os.path.isdir(path) and not exported_files(path):

@@ -334,9 +334,18 @@ class InferConfig:
     # infer and eval run in its runtime instead of model_dir's newest checkpoint; model_dir defaults to its
     # directory.
     exported: Optional[str] = None
+    # A training checkpoint that eval, infer and export read instead of model_dir's newest: its prefix (e.g.
+    # runs/m/ckpt-600; model_dir defaults to its directory) or a step number of model_dir's checkpoints.
+    checkpoint: Optional[str] = None
 
     def resolved_output_dir(self, model_dir: str) -> str:
         return self.output_dir or f"{model_dir.rstrip('/')}/inference"
+
+    def resolved_checkpoint(self, model_dir: str) -> Optional[str]:
+        """The prefix of `checkpoint` (a step number N is model_dir's ckpt-N); None when none is chosen."""
+        if self.checkpoint is None:
+            return None
+        return os.path.join(model_dir, f"ckpt-{self.checkpoint}") if self.checkpoint.isdigit() else self.checkpoint
 
 
 @dataclass

@@ -622,7 +622,7 @@ def test_the_start_up_line_names_the_precision_policy(policy, amp, loss_scaled, 
 
 
 def test_the_predictor_path_is_a_model_directory_an_artefact_or_an_error_naming_it(tmp_path):
-    with pytest.raises(ConfigError, match="name a model directory or an exported artefact"):
+    with pytest.raises(ConfigError, match="name a model directory, a checkpoint or an exported artefact"):
         arguments.config_for_path(None)
     with pytest.raises(ConfigError, match=f"^path: {tmp_path / 'none'}: no such file or directory$"):
         arguments.config_for_path(tmp_path / "none")

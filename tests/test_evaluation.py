@@ -17,6 +17,7 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
 import main
+from mrcnn_tf2.arguments import config_for_path, parse
 from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.evaluation import coco_metrics
 from tests.support import SMALL_FLAGS, TRAINED_STEPS
@@ -402,6 +403,33 @@ def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
     assert captured.err.startswith(f"[eval] error: --eval_file: {train_json} is the annotation file of other images: "
                                    "image id 1 is 'val_000001.jpg' in the validation records and 'train_000001.jpg'")
     assert "[model]" not in captured.out and not (model_dir / "eval_results.json").exists()
+
+
+def test_checkpoint_evaluates_one_of_the_model_directorys_checkpoints_by_prefix_or_step(tmp_path, trained_model,
+                                                                                        shapes_records, capsys):
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model, model_dir)
+    prefix = str(model_dir / "ckpt-2")
+    # A prefix alone: its directory is the model directory, whose config.json gives the rest.
+    assert main.main(["eval", "--checkpoint", prefix, "--data_dir", shapes_records["data_dir"],
+                      "--eval_file", shapes_records["val_json"], "--eval_samples", "1"]) == 0
+    record = json.loads((model_dir / "eval_results.json").read_text())
+    assert record["step"] == 2 and record["checkpoint"] == prefix
+    _, by_step = parse(["infer", "--model_dir", str(model_dir), "--checkpoint", "3"])
+    assert by_step.infer.resolved_checkpoint(by_step.runtime.model_dir) == str(model_dir / "ckpt-3")
+    assert config_for_path(prefix).infer.checkpoint == prefix  # Predictor(prefix)
+    assert parse(["infer", "--model_dir", str(model_dir)])[1].infer.resolved_checkpoint(str(model_dir)) is None
+
+    capsys.readouterr()
+    for argv, message in (
+            (["eval", "--model_dir", str(model_dir), "--checkpoint", "7"],
+             f"--checkpoint: {model_dir}/ckpt-7 is not a checkpoint (no {model_dir}/ckpt-7.index); the checkpoints "
+             f"of --model_dir {model_dir}: steps 1 2 3 4"),
+            (["train", "--checkpoint", prefix], "--checkpoint: eval, infer and export read it; training resumes"),
+            (["infer", "--checkpoint", prefix, "--exported", str(model_dir / "model.onnx")],
+             f"--checkpoint: {prefix} and --exported {model_dir / 'model.onnx'} name two models: give one")):
+        assert main.main(argv) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_signal_on_any_rank_stops_every_ranks_evaluation_once_the_shares_are_in(trained_model, shapes_records):

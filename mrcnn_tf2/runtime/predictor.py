@@ -143,7 +143,8 @@ class LoadedModel:
 
 
 def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
-    """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir.
+    """Builds the model `config` describes and reads the weights of the newest checkpoint in model_dir (or of
+    infer.checkpoint, --checkpoint, when given).
 
     Only the model is read (training checkpoints also hold the optimizer). `predict_function` with fixed_weights
     is traced (not run) on those weights for batches of eval.eval_batch_size, the trace that evaluation and
@@ -165,7 +166,7 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         ConfigError (a ValueError) naming --custom_ops: 'on' on a GPU (`factory.choose_ops`).
     """
     model_dir = config.runtime.model_dir
-    checkpoint = tf.train.latest_checkpoint(model_dir)
+    checkpoint = config.infer.resolved_checkpoint(model_dir) or tf.train.latest_checkpoint(model_dir)
     if checkpoint is None and require_checkpoint:
         exported = exported_files(model_dir)
         if exported:
@@ -407,10 +408,11 @@ def open_backend(config, world=SINGLE_PROCESS):
 
 
 class Predictor:
-    """Detections of images, per image, in original pixels, by a model directory's newest checkpoint or by an
-    exported artefact.
+    """Detections of images, per image, in original pixels, by a model directory's newest checkpoint, another of its
+    checkpoints, or an exported artefact.
 
         predictor = Predictor("runs/my_model")                            # TensorFlow, the newest checkpoint
+        predictor = Predictor("runs/my_model/ckpt-600")                   # or that one
         predictor = Predictor("runs/my_model/saved_model/model.onnx")    # or .tflite, openvino/model.xml,
                                                                           # or the export directory (SavedModel)
         detections = predictor("photo.jpg")             # or its bytes, a PIL image, a uint8 [h, w, 3] RGB array,
@@ -422,7 +424,8 @@ class Predictor:
     """
 
     def __init__(self, path=None, config=None):
-        """path: a model directory or an exported artefact (its directory holds the export's config.json);
+        """path: a model directory, a training checkpoint's prefix (its directory holds the run's config.json) or an
+        exported artefact (its directory holds the export's config.json);
         config: a Config instead (`main.py infer`'s; its infer.exported picks the artefact)."""
         if config is None:
             from mrcnn_tf2.arguments import config_for_path  # the CLI layer: imported by this entry point only
