@@ -367,7 +367,8 @@ def test_main_eval_end_to_end(tmp_path, trained_model, shapes_records, capsys):
     table = out[out.index("category "):].splitlines()
     assert [line.split()[0] for line in table[1:1 + len(names)]] == names
     assert all(math.isfinite(v) and -1.0 <= v <= 1.0 for v in metrics.values())
-    assert record["num_images"] == 3 and record["step"] == TRAINED_STEPS
+    assert record["num_images"] == 3 and record["step"] == TRAINED_STEPS and record["averaged_weights"] is False
+    assert "[model] weights:" not in out  # the last step's, said only of an average
     assert record["checkpoint"].endswith(f"ckpt-{TRAINED_STEPS}")
     assert set(record["time_s"]) >= {"model", "pasting", "cocoeval"}
     breakdown = next(line for line in out.splitlines() if line.startswith("[eval] 3 images"))

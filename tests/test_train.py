@@ -160,6 +160,8 @@ def test_a_run_keeping_a_weight_average_evaluates_infers_and_fine_tunes_from_it(
     trainer.keeper.save(2)
     loaded = load_model(config)
     assert all(np.array_equal(a, w) for a, w in zip(weights(loaded.model), weights(trainer.shadow)))
+    assert loaded.averaged and "[model] weights: the moving average training kept (train.ema_decay) in " \
+        f"{loaded.checkpoint}" in capsys.readouterr().out
 
     _, tune = parse(["train", *SMALL_FLAGS, "--model_dir", str(tmp_path / "tune"),
                      "--init_checkpoint", str(tmp_path / "run")])

@@ -357,6 +357,7 @@ def run(config, world=SINGLE_PROCESS):
         "metrics": evaluation.metrics,
         "checkpoint": loaded and loaded.checkpoint,
         "step": loaded and loaded.step,
+        "averaged_weights": bool(loaded and loaded.averaged),
         "exported": config.infer.exported,
         "num_images": evaluation.num_images,
         "num_detections": len(evaluation.results),

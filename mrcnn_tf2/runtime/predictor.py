@@ -140,6 +140,7 @@ class LoadedModel:
     step: int  # the training step of the checkpoint (0 without one)
     policy: str  # the Keras precision policy it was built under
     ops: OpChoice  # the ops it was built with; `ops.mask_encoder` encodes its masks as COCO RLE
+    averaged: bool = False  # the weights are the moving average its training kept (train.ema_decay)
 
 
 def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCESS):
@@ -181,7 +182,7 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         print(f"[model] {describe_precision(policy, config.runtime.amp)}", flush=True)
         print(f"[model] {ops.describe()}", flush=True)
     model.build()
-    step = 0
+    step, key = 0, None
     if checkpoint is not None:
         step_variable = tf.Variable(0, dtype=tf.int64, trainable=False)
         # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
@@ -194,6 +195,8 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
         step = int(step_variable.numpy())
+        if key == AVERAGE_KEY and world.is_chief:
+            print(f"[model] weights: the moving average training kept (train.ema_decay) in {checkpoint}", flush=True)
     if not (export or config.runtime.eagerly):
         # Evaluation's trace, made here without running the model (an export traces its own functions), on the
         # weights just read (`predict_function`'s fixed_weights=True). On the canvas every batch has the eval batch's
@@ -207,7 +210,7 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
             "image_info": tf.TensorSpec([batch_size, 5], tf.float32),
             "source_ids": tf.TensorSpec([batch_size], tf.int64),
         })
-    return LoadedModel(model, checkpoint, step, policy, ops)
+    return LoadedModel(model, checkpoint, step, policy, ops, averaged=key == AVERAGE_KEY)
 
 
 # -- images in ----------------------------------------------------------------------------------------------
