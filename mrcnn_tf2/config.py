@@ -72,6 +72,9 @@ class DataConfig:
     # where it is larger; the objects cut off are left out. 1.0 and 1.0: none.
     aug_scale_min: float = 1.0
     aug_scale_max: float = 1.0
+    # Repeat factor sampling (data/repeat_factors.py; detectron2's REPEAT_THRESHOLD, 0.001 for LVIS): the images of
+    # categories in fewer than this fraction of the training images are repeated in training. None: none.
+    repeat_threshold: Optional[float] = None
     # Side of the per-instance GT mask crop the pipeline hands to the mask-target op.
     gt_mask_size: int = 112
     # Ground truth is padded (with -1) to this many instances per image: TAO's default.
@@ -606,7 +609,7 @@ _FRACTIONS = ("model.rpn.rpn_positive_overlap", "model.rpn.rpn_negative_overlap"
               "model.roi.fg_thresh", "model.roi.bg_thresh_hi", "model.roi.bg_thresh_lo", "model.test.test_nms",
               "model.test.test_score_threshold", "model.anchors.anchor_offset", "eval.min_bbox_map",
               "eval.min_mask_map", "infer.visualize_score_threshold",
-              "train.ema_decay",
+              "train.ema_decay", "data.repeat_threshold",
               "train.momentum")  # above 1 the velocity grows at every step: training diverges
 RANGES = tuple((key, low, high) for keys, low, high in (
     (_COUNTS, 1, None), (_NON_NEGATIVE, 0, None), (_FRACTIONS, 0, 1),
@@ -616,7 +619,7 @@ RANGES = tuple((key, low, high) for keys, low, high in (
 ) for key in keys)
 # The settings that must be above 0 (None allowed where it is the default).
 POSITIVE = ("model.anchors.anchor_scale", "model.bbox_reg_weights", "train.clip_grad_norm", "data.aug_scale_min",
-            "data.aug_scale_max")
+            "data.aug_scale_max", "data.repeat_threshold")
 
 # The values a checkpoint's weights are tied to: a saved run's value of one of these cannot be changed by
 # a later command on the same model_dir (the weights would not fit, or would mean something else).

@@ -300,6 +300,8 @@ def main_status(argv, capsys):
         (["--momentum", "1.5"], ["--momentum: 1.5 must lie in [0, 1]"]),
         (["--image_size", "0", "64"], ["--image_size: 0 64 must be >= 1"]),
         (["--config_override", "data.aug_scale_min=0"], ["data.aug_scale_min: 0.0 must be > 0"]),
+        (["--config_override", "data.repeat_threshold=0"], ["data.repeat_threshold: 0.0 must be > 0"]),
+        (["--config_override", "data.repeat_threshold=2"], ["data.repeat_threshold: 2.0 must lie in [0, 1]"]),
         (["--config_override", "data.aug_scale_min=2"], ["data.aug_scale_min: 2.0 exceeds data.aug_scale_max 1.0"]),
         (["--config_override", "eval.best_metric=mask/AP"],
          ["eval.best_metric: 'mask/AP' is not one of (bbox|segm)/(AP|AP50|AP75|APs|APm|APl|AR1|AR10|AR100|ARs|"]),

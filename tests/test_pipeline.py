@@ -2,6 +2,7 @@
 each worker's share of the records."""
 
 import io
+import math
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.pipeline import (InputPipeline, crop_instance_masks, evaluation_images, flip_horizontally,
                                      notice_record_sharding, record_problem, worker_records)
 from mrcnn_tf2.data.preprocess import decode_image, resize_normalize_pad
+from mrcnn_tf2.data.repeat_factors import RepeatFactors
 from mrcnn_tf2.model.factory import build_anchors, choose_ops
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
 from mrcnn_tf2.ops import anchors as anchor_ops
@@ -169,6 +171,53 @@ def ellipses_record(path):
         features[f"image/object/bbox/{name}"] = feature(boxes[:, i], "float_list")
     with tf.io.TFRecordWriter(str(path)) as writer:
         writer.write(tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString())
+
+
+def label_example(labels, crowd):
+    """A serialized record holding only what repeat factors read: the objects' categories and crowd flags."""
+    int64s = lambda values: tf.train.Feature(int64_list=tf.train.Int64List(value=values))  # noqa: E731
+    return tf.train.Example(features=tf.train.Features(feature={
+        "image/object/class/label": int64s(labels), "image/object/is_crowd": int64s(crowd)})).SerializeToString()
+
+
+def test_repeat_factors_repeat_the_images_of_rare_categories_by_the_square_root_rule(tmp_path, records, capsys,
+                                                                                     monkeypatch):
+    # 20 images: 16 of category 1, 2 of categories 1 and 2, one whose category 3 object is a crowd region (which
+    # counts for none), one without objects. At t = 0.5: f(1) = 0.9 -> 1, f(2) = 0.1 -> sqrt(5), f(3) = 0 -> 1.
+    frequent, rare, crowd, empty = (label_example([1], [0]), label_example([1, 2], [0, 0]),
+                                    label_example([3], [1]), label_example([], []))
+    path = str(tmp_path / "labels.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for example in [frequent] * 16 + [rare] * 2 + [crowd, empty]:
+            writer.write(example)
+    factors = RepeatFactors.from_records([path], 0.5, num_classes=4)
+    np.testing.assert_allclose(factors.categories, [1.0, 1.0, math.sqrt(5), 1.0], rtol=1e-6)
+    assert factors.num_images == 20 and factors.max_image_factor == pytest.approx(math.sqrt(5))
+    assert factors.mean_image_factor == pytest.approx((18 + 2 * math.sqrt(5)) / 20)
+    assert factors.describe(0.5).startswith("repeat factor sampling (data.repeat_threshold 0.5): 1 of 3 categories "
+                                            "are in fewer than that fraction of the 20 training images")
+
+    def shown(example, copies, seed):
+        stream = factors.repeat(tf.data.Dataset.from_tensors(example).repeat(copies), seed)
+        return sum(1 for _ in stream)
+
+    assert [shown(example, 50, seed=3) for example in (frequent, crowd, empty)] == [50, 50, 50]
+    # sqrt(5) = 2.236 times on average: 2 or 3 each, 3 with probability 0.236 (1000 draws: 3 sigma is 0.04).
+    counts = [len(list(factors.repeat(tf.data.Dataset.from_tensors(rare), seed))) for seed in range(40)]
+    assert set(counts) == {2, 3}
+    assert shown(rare, 1000, seed=5) / 1000 == pytest.approx(math.sqrt(5), abs=0.04)
+    assert shown(rare, 1000, seed=5) == shown(rare, 1000, seed=5)  # a seeded run repeats the same
+
+    # In the training input: said once at its start, the records repeated with the run's seed, batches as usual.
+    train, _, _ = records
+    config = make_config()
+    config.data.repeat_threshold = 0.9
+    seeds, repeat = [], RepeatFactors.repeat
+    monkeypatch.setattr(RepeatFactors, "repeat", lambda self, stream, seed: seeds.append(seed) or repeat(self, stream,
+                                                                                                          seed))
+    assert len(first_batches(training_pipeline(config), train, 2)) == 2
+    assert seeds == [config.train.seed]
+    assert "[data] repeat factor sampling (data.repeat_threshold 0.9): " in capsys.readouterr().out
 
 
 def test_scale_jitter_cuts_the_image_with_its_boxes_and_masks_and_drops_what_it_cuts_off(tmp_path):

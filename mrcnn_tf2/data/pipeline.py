@@ -1,7 +1,8 @@
 """The tf.data input pipeline: TFRecords -> batched, padded `features` dicts for the model.
 
 Training: files matching the pattern -> this worker's share (`worker_records`: its own files read
-interleaved, or every N-th record when there are fewer files than N workers) -> shuffle -> decode ->
+interleaved, or every N-th record when there are fewer files than N workers) -> with repeat factor sampling
+(data.repeat_threshold), each record repeated by its rarest category's factor -> shuffle -> decode ->
 drop crowd -> labels checked against num_classes, a record past max_num_instances named -> with scale jitter
 (data.aug_scale_min / aug_scale_max), a random resize and cut to image_size (objects clipped to the cut, those
 outside it dropped) -> GT masks cropped to their boxes at gt_mask_size -> random horizontal flip (image, boxes,
@@ -33,6 +34,7 @@ import tensorflow as tf
 from mrcnn_tf2.console import say
 from mrcnn_tf2.data.decoder import decode_example
 from mrcnn_tf2.data.preprocess import Preprocessor
+from mrcnn_tf2.data.repeat_factors import RepeatFactors
 from mrcnn_tf2.ops.box_ops import PADDING_BOX_VALUE
 
 # tf.data runs a map's function through autograph unless told not to; the preprocessing has no Python control
@@ -315,6 +317,13 @@ class InputPipeline:
         if self.training:
             paths = matching_files(file_pattern)
             records = self._training_records(paths, file_pattern, shard_index, num_shards)
+            threshold = self.data.repeat_threshold
+            if threshold is not None:
+                # Of every record, not of this worker's share: each worker repeats an image alike.
+                factors = RepeatFactors.from_records(paths, threshold, self.model.num_classes)
+                if shard_index == 0:
+                    say(f"[data] {factors.describe(threshold)}")
+                records = factors.repeat(records, self.seed)
             records = records.shuffle(SHUFFLE_RECORDS, seed=self.seed)
             # The element index seeds its augmentation, so a seeded run is reproducible under parallel map.
             examples = records.enumerate().map(unconverted(self.preprocess_train), num_parallel_calls=tf.data.AUTOTUNE)
