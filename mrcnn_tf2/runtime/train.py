@@ -252,9 +252,9 @@ class Trainer:
             resumed = self._restore_or_load_pretrained(logger)
             if self.average is not None and not resumed:
                 self.average.reset()  # a new run averages from its first weights on
-        average = self.average.variables if self.average is not None else []
+        shadow = self.shadow.variables if self.shadow is not None else []
         self.world.broadcast_variables([*self.model.variables, *self.optimizer.variables, self.step,
-                                        self.skipped_steps, *average])
+                                        self.skipped_steps, *shadow])
         return int(self.step.numpy())
 
     def _restore_or_load_pretrained(self, logger):
@@ -470,7 +470,7 @@ class Trainer:
         signal that abandoned the evaluation, else 0)."""
         self.evaluating = step
         try:
-            model = self.model if self.average is None else self.shadow  # the weights inference will use
+            model = self.model if self.shadow is None else self.shadow  # the weights inference will use
             return evaluator.evaluate(model, step, logger, stopping=lambda: stops.signum), 0
         except EvaluationStopped as stopped:
             return False, stopped.signum

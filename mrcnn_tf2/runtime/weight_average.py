@@ -27,20 +27,15 @@ class WeightAverage:
 
     def __init__(self, model, shadow, decay):
         self.shadow, self.decay = shadow, float(decay)
+        if (len(shadow.trainable_variables), len(shadow.non_trainable_variables)) != (
+                len(model.trainable_variables), len(model.non_trainable_variables)):
+            raise ValueError("the shadow model has another number of variables than the model")
         self.averaged = list(zip(shadow.trainable_variables, model.trainable_variables))
         self.copied = list(zip(shadow.non_trainable_variables, model.non_trainable_variables))
         for average, variable in self.averaged + self.copied:
             if average.shape != variable.shape:
                 raise ValueError(f"the shadow model's {average.path} {average.shape} does not fit the model's "
                                  f"{variable.path} {variable.shape}: they are not of one build")
-        if len(self.averaged) != len(model.trainable_variables) or len(self.copied) != len(
-                model.non_trainable_variables):
-            raise ValueError("the shadow model has another number of variables than the model")
-
-    @property
-    def variables(self):
-        """The shadow's variables, as a broadcast between workers takes them."""
-        return [average for average, _ in self.averaged + self.copied]
 
     def update(self, updates):
         """Moves the average toward the model's weights after its update number `updates` (int scalar tensor, >= 1:
