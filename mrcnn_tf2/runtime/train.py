@@ -373,8 +373,8 @@ class Trainer:
             print(f"[train] {describe_precision(self.policy, runtime.amp, self.loss_scaled)}", flush=True)
             print(f"[train] {self.ops.describe()}", flush=True)
             if self.shadow is not None:
-                print(f"[train] keeping a moving average of the weights (train.ema_decay {config.train.ema_decay:g}): the "
-                      "evaluations, and eval, infer and export of this model directory, use it", flush=True)
+                print(f"[train] keeping a moving average of the weights (train.ema_decay {config.train.ema_decay:g}): "
+                      "the evaluations, and eval, infer and export of this model directory, use it", flush=True)
         start = self._restore_or_initialise(logger)
         # The first batch before anything is written, so that unreadable data stops the run first.
         try:
