@@ -5,7 +5,8 @@ beside the destination, then renamed over it (a rename within one directory is a
 interrupted run never leaves a file that looks finished, and a failed run leaves the previous one intact.
 The temporary name ends in `.tmp-<pid>`, which no reader's `*.tfrecord` / `*.json` pattern matches.
 
-This module imports neither TensorFlow nor the rest of the package.
+This module imports neither TensorFlow nor the rest of the package but its exit statuses (`status`), which say
+whether a signal stopped the run.
 """
 
 import contextlib
@@ -13,6 +14,8 @@ import glob
 import json
 import os
 import shutil
+
+from mrcnn_tf2 import status
 
 
 def temporary_path(path: str) -> str:
@@ -76,7 +79,9 @@ def remove(path: str) -> None:
 
 
 def commit(temporary: str, path: str) -> None:
-    """Renames the finished `temporary` (a file or a directory) to `path`, replacing what is there."""
+    """Renames the finished `temporary` (a file or a directory) to `path`, replacing what is there; raises
+    instead when a signal stopped the run (`status.raise_if_stopped`)."""
+    status.raise_if_stopped()
     if os.path.isdir(temporary) and os.path.isdir(path):
         # A directory cannot be renamed over a non-empty one: move the old one aside first.
         previous = f"{path}.old-{os.getpid()}"

@@ -37,6 +37,24 @@ class Received:
     signum = 0
 
 
+# The Received of each `terminations_raise` context open, the innermost last (read by `raise_if_stopped`).
+_open = []
+
+
+def _exception(signum):
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def raise_if_stopped():
+    """Raises again the exception of a signal that an open `terminations_raise` context received, for a run that
+    went on because the code the signal interrupted swallowed it: TensorFlow's C++ op dispatcher clears a Python
+    error raised inside its isinstance checks. `files.commit` calls it, so that a stopped run publishes no output
+    after the signal whatever swallowed it."""
+    for received in _open:
+        if received.signum:
+            raise _exception(received.signum)
+
+
 @contextlib.contextmanager
 def terminations_raise():
     """A context in which SIGTERM and SIGHUP raise `Terminated` where the main thread is, as Ctrl-C raises
@@ -51,7 +69,7 @@ def terminations_raise():
 
     def handle(signum, frame):
         received.signum = received.signum or signum
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+        raise _exception(signum)
 
     previous = {}
     with contextlib.suppress(ValueError):  # handlers can only be set in the main thread
@@ -59,11 +77,13 @@ def terminations_raise():
                                 (signal.SIGHUP, signal.SIG_DFL)):
             if signal.getsignal(signum) is default:
                 previous[signum] = signal.signal(signum, handle)
+    _open.append(received)
     try:
         yield received
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _open.remove(received)
 
 
 # The errors of a write that the destination refuses whatever is written: a full disk, a quota, a file size
@@ -88,11 +108,15 @@ def write_failure(err):
 def run_stoppable(run, command):
     """`run()`'s return value (an exit status), run under `terminations_raise`; after Ctrl-C, SIGTERM or SIGHUP,
     once the run has unwound, `stopped_by` the signal, having written '<command>: stopped by SIGTERM' to standard
-    error. A write the destination refused (`write_failure`) is one line, '<command>: error: ...', and FAILURE
-    (the writers remove their partial files as they unwind: `files.atomic_path`)."""
+    error, also when the code the signal interrupted swallowed its exception and the run went on to its end
+    (`raise_if_stopped`). A write the destination refused (`write_failure`) is one line, '<command>: error: ...',
+    and FAILURE (the writers remove their partial files as they unwind: `files.atomic_path`)."""
     with terminations_raise() as received:
         try:
-            return run()
+            result = run()
+            if not received.signum:
+                return result
+            signum = received.signum
         except (KeyboardInterrupt, Terminated):
             signum = received.signum or signal.SIGINT  # a KeyboardInterrupt raised by code, not by a signal
         except BaseException as err:

@@ -484,13 +484,18 @@ def test_an_export_stopped_by_sigterm_removes_its_temporary_directory(model_dir,
     process = subprocess.Popen(main_py("export", "--model_dir", model_dir, "--export_dir", export_dir, *SMALL_FLAGS),
                                cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
+    start = time.time()
     while not list(tmp_path.glob("export.tmp-*")):
-        assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+        assert process.poll() is None and time.time() < start + 240, \
+            f"exit status {process.poll()} after {time.time() - start:.1f} s, before the temporary directory " \
+            f"appeared: {process.stderr.read()[-3000:]}"
         time.sleep(0.05)
+    signalled = time.time()
     process.send_signal(signal.SIGTERM)
-    err = process.communicate(timeout=60)[1]
-    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    err = process.communicate(timeout=120)[1]  # a signal TensorFlow swallowed waits for the commit
+    assert process.returncode == 128 + signal.SIGTERM, \
+        f"exit status {process.returncode}, signalled {signalled - start:.1f} s after the start and ended " \
+        f"{time.time() - signalled:.1f} s later: {err[-3000:]}"
     assert err.splitlines()[-1] == "main.py: stopped by SIGTERM"
     assert os.listdir(tmp_path) == []  # neither the export nor its temporary directory
 
