@@ -477,7 +477,7 @@ def test_export_replaces_only_an_earlier_export_and_refuses_any_other_directory(
 
 
 # Budget: an export process (the small model) stopped once its temporary directory appears.
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 @pytest.mark.slow
 def test_an_export_stopped_by_sigterm_removes_its_temporary_directory(model_dir, tmp_path):
     export_dir = tmp_path / "export"
