@@ -719,7 +719,7 @@ def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_an
             try:
                 signalled(config, signal.SIGTERM)
             except BaseException:
-                pass  # what TensorFlow's C++ op dispatcher does with it in a trace (an export, seen twice)
+                pass  # what TensorFlow's C++ op dispatcher does with it inside a trace
             if output:
                 files.write_json(output, {"complete": True})
             return status.OK
