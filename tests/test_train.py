@@ -478,12 +478,12 @@ def test_benchmark_trains_from_scratch_at_the_defaults_at_a_constant_rate(tmp_pa
     result = subprocess.run(
         main_py("train", "--data_dir", shapes_records["data_dir"], "--model_dir", str(tmp_path), "--backbone",
                 "resnet101", "--image_size", "128", "128", "--train_batch_size", "2", "--seed", "1", "--benchmark",
-                "--use_synthetic_data", "--log_warmup_steps", "2", "--benchmark_steps", "8", "--log_every", "1"),
+                "--use_synthetic_data", "--log_warmup_steps", "1", "--benchmark_steps", "3", "--log_every", "1"),
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "no pretrained weights: training from scratch" in result.stdout
     metrics = [r for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics"]
-    assert [r["step"] for r in metrics] == list(range(1, 11))
+    assert [r["step"] for r in metrics] == list(range(1, 5))
     assert all(r["learning_rate"] == pytest.approx(0.00025) for r in metrics)
     assert all(np.isfinite(r["loss_total"]) for r in metrics)
 
@@ -727,22 +727,22 @@ def test_a_stop_signal_during_an_evaluation_abandons_it_and_keeps_the_steps_chec
 
 
 def from_scratch_losses(tmp_path, data_dir, *overrides):
-    """loss_total of each of 20 steps of ResNet-50 trained from scratch at the default schedule and learning
-    rate, at 256x256, batch 2, with the warm-up shortened to 6 steps (0.3 epochs of 20 steps, no floor)."""
+    """loss_total of each of 12 steps of ResNet-50 trained from scratch at the default schedule and learning
+    rate, at 256x256, batch 2, with the warm-up shortened to 3.6 steps (0.3 epochs of 12 steps, no floor)."""
     _, config = parse(["train", "--data_dir", data_dir, "--model_dir", str(tmp_path), "--image_size", "256", "256",
-                       "--train_batch_size", "2", "--seed", "3", "--steps_per_epoch", "20", "--epochs", "1",
+                       "--train_batch_size", "2", "--seed", "3", "--steps_per_epoch", "12", "--epochs", "1",
                        "--log_every", "1", "--config_override", "train.warmup_min_steps=0", *overrides])
     status = train_runtime.Trainer(config).run()
     losses = [r["loss_total"] for r in read_log(tmp_path / "log.jsonl") if r["event"] == "metrics"]
     return status, losses
 
 
-@pytest.mark.timeout(300)  # ResNet-50 at the default widths, 20 steps at 256x256
+@pytest.mark.timeout(300)  # ResNet-50 at the default widths, 12 steps at 256x256
 @pytest.mark.slow
 def test_resnet50_trains_from_scratch_at_the_defaults(tmp_path, shapes_records, capsys):
     status, losses = from_scratch_losses(tmp_path, shapes_records["data_dir"])
     assert "no pretrained weights: training from scratch with batch norm on batch statistics" in capsys.readouterr().out
-    assert status == 0 and len(losses) == 20 and all(np.isfinite(losses)), losses
+    assert status == 0 and len(losses) == 12 and all(np.isfinite(losses)), losses
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
 
 
