@@ -9,6 +9,7 @@ Helpers shared by test modules are in tests/support.py.
 import gc
 import json
 import os
+import signal
 import sys
 
 # Before anything imports torch: in a process that has loaded TensorFlow, importing torchvision segfaults
@@ -122,6 +123,22 @@ def pytest_runtest_setup(item):
     if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
             and "@" not in item.nodeid):
         pytest.fail("pytest-xdist did not tag this test with its xdist_group: the group is not kept on one worker")
+
+
+# The handlers of the signals that stop a run (mrcnn_tf2.status, runtime.stop_signals), as the worker starts.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HANDLERS_AT_START = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+
+@pytest.fixture(autouse=True)
+def stop_signal_handlers_given_back():
+    """Each test, with the fixtures it set up, leaves the stop signals' handlers as the worker started with: one
+    left behind turns a later test's signal into something else (a run that should stop goes on), far from the
+    test that left it."""
+    yield
+    left = {signal.Signals(signum).name: handler for signum, handler in
+            ((signum, signal.getsignal(signum)) for signum in STOP_SIGNALS) if handler is not HANDLERS_AT_START[signum]}
+    assert not left, f"signal handlers left changed by this test or a fixture it set up: {left}"
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -219,6 +219,25 @@ def terminations_by_default():
             signal.signal(signum, handler)
 
 
+@contextlib.contextmanager
+def detect_traces():
+    """A context that counts the calls of `MaskRCNN.detect`, each a trace of the model (it runs in graphs only):
+    yields the list that gets one entry per call."""
+    from mrcnn_tf2.model.mask_rcnn import MaskRCNN
+
+    calls, detect = [], MaskRCNN.detect
+
+    def counted(self, *args, **kwargs):
+        calls.append(None)
+        return detect(self, *args, **kwargs)
+
+    MaskRCNN.detect = counted
+    try:
+        yield calls
+    finally:
+        MaskRCNN.detect = detect
+
+
 def dead_pid():
     """The pid of a process that has ended (as a process killed outright leaves it in its temporary names)."""
     process = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -684,9 +685,12 @@ def test_a_visualize_font_needs_visualize_and_a_file(tmp_path):
 
 def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_and_its_status(monkeypatch, capsys,
                                                                                             tmp_path):
-    unwound = []
+    unwound, seen = [], []
 
     def signalled(config, signum=signal.SIGINT):
+        # What the signal meets, for the failure's message: its handler, the thread, the signals blocked.
+        seen.append((signal.getsignal(signum), threading.current_thread().name,
+                     signal.pthread_sigmask(signal.SIG_BLOCK, [])))
         try:
             os.kill(os.getpid(), signum)
             time.sleep(5)  # the handler raises before this ends
@@ -696,7 +700,7 @@ def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_an
     monkeypatch.setattr(cli, "check_inputs", lambda mode, config: None)
     monkeypatch.setitem(sys.modules, "signalled_runner", types.SimpleNamespace(run=signalled))
     monkeypatch.setitem(cli.RUNNERS, "export", "signalled_runner")
-    assert main.main(["export"]) == 130
+    assert main.main(["export"]) == 130, seen
     assert capsys.readouterr().err.splitlines()[-1] == "main.py: stopped by SIGINT"
     with terminations_by_default():
         for signum in (signal.SIGTERM, signal.SIGHUP):

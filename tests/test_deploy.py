@@ -25,7 +25,7 @@ from mrcnn_tf2.config import ConfigError
 from mrcnn_tf2.data.preprocess import Preprocessor
 from mrcnn_tf2.runtime import deploy, export, predictor
 from mrcnn_tf2.runtime.predictor import load_model
-from tests.support import SMALL_FLAGS, dead_pid, photo
+from tests.support import SMALL_FLAGS, dead_pid, detect_traces, photo
 
 pytestmark = pytest.mark.xdist_group("deploy")
 
@@ -72,7 +72,9 @@ def export_all(model_dir, name, *flags, formats=FORMATS):
 @pytest.fixture(scope="module")
 def exported(model_dir):
     """The export directory of the model with every format, written without a warning of TensorFlow's loggers (the
-    TFLite converter's, absl's, on a deprecated call, for one)."""
+    TFLite converter's, absl's, on a deprecated call, for one), and with four traces of the model: the SavedModel's
+    batch (serving_default) and image alone (serving_preprocessed and serving_bytes share it), and the other
+    formats' graph of one image with each RoIAlign route (`deploy.fused_roi_align`)."""
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = warnings.append
@@ -80,11 +82,13 @@ def exported(model_dir):
     for logger in loggers:
         logger.addHandler(handler)
     try:
-        export_dir = export_all(model_dir, "exported")
+        with detect_traces() as traces:
+            export_dir = export_all(model_dir, "exported")
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
     assert [record.getMessage() for record in warnings] == []
+    assert len(traces) == 2 + len({deploy.fused_roi_align(fmt) for fmt in FORMATS})
     return export_dir
 
 

@@ -31,7 +31,7 @@ from mrcnn_tf2.evaluation import visualize
 from mrcnn_tf2.model.pretrained import IMAGENET_MEAN
 from mrcnn_tf2.runtime import export, infer, predictor
 from mrcnn_tf2.runtime.predictor import load_model, predict_batch, predict_function, same_shape_batches
-from tests.support import ROOT, SMALL_FLAGS, box_font, file_size_limit, main_py
+from tests.support import ROOT, SMALL_FLAGS, box_font, detect_traces, file_size_limit, main_py
 
 # EXIF tag of the orientation, and the value meaning "rotate 90 degrees clockwise to view".
 EXIF_ORIENTATION, ROTATE_90_CW = 0x0112, 6
@@ -359,9 +359,12 @@ def test_infer_benchmark_prints_throughput_and_latency(shapes_records, capsys):
 
 @pytest.fixture(scope="module")
 def exported(model_dir, tmp_path_factory):
-    """(export_dir, in-process detections of a PNG photo) for the round-trip tests."""
+    """The SavedModel's export directory for the round-trip tests, written with two traces of the model: the
+    canvas's static shape (serving_default and serving_bytes share it) and serving_preprocessed's any shape."""
     export_dir = str(tmp_path_factory.mktemp("export") / "saved_model")
-    assert export.run(config_for("export", "--model_dir", model_dir, "--export_dir", export_dir)) == 0
+    with detect_traces() as traces:
+        assert export.run(config_for("export", "--model_dir", model_dir, "--export_dir", export_dir)) == 0
+    assert len(traces) == 2
     return export_dir
 
 

@@ -2,7 +2,6 @@
 fused ops (mrcnn_tf2.ops.fused) of mask targets and of pasting with RLE encoding against their pure-TF twins
 and that resampling.
 """
-import time
 
 import numpy as np
 import pytest
@@ -259,19 +258,6 @@ def test_empty_boxes_and_no_detections():
     got = masks.paste_masks(np.ones((3, 4, 4), np.float32), boxes, (20, 20))
     assert not got.any()
     assert masks.paste_masks(np.zeros((0, 4, 4), np.float32), np.zeros((0, 4), np.float32), (5, 6)).shape == (0, 5, 6)
-
-
-def test_paste_100_detections_is_fast(rng):
-    hw = (480, 640)
-    centres = rng.uniform(0, 1, size=(100, 2)) * hw
-    sides = rng.uniform(16, 240, size=(100, 2))
-    boxes = np.concatenate([centres - sides / 2, centres + sides / 2], axis=1).astype(np.float32)
-    probs = rng.uniform(size=(100, 28, 28)).astype(np.float32)
-    masks.paste_masks(probs, boxes, hw)  # warm-up
-    start = time.perf_counter()
-    masks.paste_masks(probs, boxes, hw, threshold=0.5)
-    # Generous bound (the target is 50 ms) so that a busy test machine does not fail it.
-    assert time.perf_counter() - start < 0.2
 
 
 @pytest.mark.parametrize("args, match", [

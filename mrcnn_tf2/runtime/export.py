@@ -55,12 +55,19 @@ class ServingModule(tf.Module):
         self.model_variables = [variable.value for variable in model.variables]
         self._detect_batch = model.detect  # a bound method: not tracked
         self.preprocessor = preprocessor
+        # The traces that more than one signature calls, made once: each costs seconds, and a tf.function called
+        # inside another's trace is traced again there, a concrete function is not. serve_images and serve_bytes
+        # detect on the canvas.
+        detect = tf.function(self._detect, autograph=False)
+        self._detect_canvas = detect.get_concrete_function(
+            tf.TensorSpec([None, *preprocessor.image_size, 3], tf.float32), tf.TensorSpec([None, 5], tf.float32))
         if preprocessor.pad_to_multiple is not None:
-            # What `_detect` gives for one image, without its batch axis: the signature of `_detect_each`.
-            one = tf.function(self._detect, autograph=False).get_concrete_function(
-                tf.TensorSpec([1, *preprocessor.image_size, 3], tf.float32), tf.TensorSpec([1, 5], tf.float32))
+            # One image of any size, which serve_preprocessed's and serve_bytes's loops call.
+            self._detect_alone = detect.get_concrete_function(
+                tf.TensorSpec([1, None, None, 3], tf.float32), tf.TensorSpec([1, 5], tf.float32))
+            # What it gives for one image, without its batch axis: the signature of `_detect_each`.
             self._one_image = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype),
-                                                    one.structured_outputs)
+                                                    self._detect_alone.structured_outputs)
 
     def _preprocess(self, image):
         """[h, w, 3] uint8 -> ([H, W, 3] float32 normalised and padded to the canvas, [5] float32 image_info);
@@ -73,12 +80,14 @@ class ServingModule(tf.Module):
         detections = self._detect_batch({"images": images, "image_info": image_info})
         return {**detections, "image_info": image_info}
 
-    def _detect_each(self, images, image_info):
+    def _detect_each(self, images, image_info, detect):
         """`_detect` of each image alone, padded to its own size, stacked: images of different sizes get the
-        detections they get alone (with data.pad_to_multiple, a batch is otherwise padded to its largest)."""
+        detections they get alone (with data.pad_to_multiple, a batch is otherwise padded to its largest). `detect`
+        (`_detect` or a trace of it for the inputs' shape) takes the batch whole when the run pads to the canvas."""
         if self.preprocessor.pad_to_multiple is None:
-            return self._detect(images, image_info)  # the canvas: every image padded alike
-        return tf.map_fn(lambda pair: tf.nest.map_structure(lambda t: t[0], self._detect(pair[0][None], pair[1][None])),
+            return detect(images, image_info)  # the canvas: every image padded alike
+        return tf.map_fn(lambda pair: tf.nest.map_structure(lambda t: t[0],
+                                                            self._detect_alone(pair[0][None], pair[1][None])),
                          (images, image_info), fn_output_signature=self._one_image)
 
     def _preprocess_each(self, function, inputs):
@@ -90,14 +99,14 @@ class ServingModule(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")], autograph=False)
     def serve_images(self, images):
         """uint8 [B, H, W, 3] RGB -> the detection dict (module docstring)."""
-        return self._detect(*self._preprocess_each(self._preprocess, images))
+        return self._detect_canvas(*self._preprocess_each(self._preprocess, images))
 
     @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32, name="images"),
                                   tf.TensorSpec([None, 5], tf.float32, name="image_info")], autograph=False)
     def serve_preprocessed(self, images, image_info):
         """float32 [B, H, W, 3] images preprocessed as `main.py infer` does, [B, 5] image_info -> the detection
         dict (module docstring): the signature `mrcnn_tf2.runtime.predictor.Predictor` calls."""
-        return self._detect_each(images, image_info)
+        return self._detect_each(images, image_info, self._detect)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")], autograph=False)
     def serve_bytes(self, image_bytes):
@@ -106,7 +115,7 @@ class ServingModule(tf.Module):
         def decode_and_preprocess(encoded):
             return self._preprocess(self.preprocessor.decode(encoded))
 
-        return self._detect_each(*self._preprocess_each(decode_and_preprocess, image_bytes))
+        return self._detect_each(*self._preprocess_each(decode_and_preprocess, image_bytes), self._detect_canvas)
 
 
 def write_saved_model(model, preprocessor, export_dir):
