@@ -209,9 +209,11 @@ def run_main(argv):
 
 @contextlib.contextmanager
 def terminations_by_default():
-    """A context in which SIGTERM and SIGHUP have their default handlers, as in a command's process, whatever
-    the test runner set; the runner's come back after it."""
-    before = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    """A context in which SIGINT, SIGTERM and SIGHUP have the handlers Python gives a command started from a
+    terminal, whatever the test runner inherited (a background job of a shell without job control, such as a CI
+    script's `make test &`, starts with SIGINT ignored); the runner's come back after it."""
+    before = {signum: signal.signal(signum, handler) for signum, handler in (
+        (signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_DFL))}
     try:
         yield
     finally:

@@ -700,9 +700,9 @@ def test_a_signal_outside_trainings_own_stop_unwinds_the_run_then_is_one_line_an
     monkeypatch.setattr(cli, "check_inputs", lambda mode, config: None)
     monkeypatch.setitem(sys.modules, "signalled_runner", types.SimpleNamespace(run=signalled))
     monkeypatch.setitem(cli.RUNNERS, "export", "signalled_runner")
-    assert main.main(["export"]) == 130, seen
-    assert capsys.readouterr().err.splitlines()[-1] == "main.py: stopped by SIGINT"
     with terminations_by_default():
+        assert main.main(["export"]) == 130, seen
+        assert capsys.readouterr().err.splitlines()[-1] == "main.py: stopped by SIGINT"
         for signum in (signal.SIGTERM, signal.SIGHUP):
             monkeypatch.setattr(sys.modules["signalled_runner"], "run", lambda config: signalled(config, signum))
             assert main.main(["export"]) == 128 + signum
