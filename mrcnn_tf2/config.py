@@ -307,6 +307,10 @@ class EvalConfig:
     # Training keeps the checkpoint whose evaluation scored highest on this statistic in <model_dir>/best, a model
     # directory of its own ('<bbox or segm>/<one of COCO_STATISTICS>'; None: none kept).
     best_metric: Optional[str] = "bbox/AP"
+    # Where training keeps a moving average of the weights (train.ema_decay): evaluation, inference and export
+    # read it (True), or the last step's weights (False: what the average gains, measured on one checkpoint);
+    # training's own evaluations, and so best/, follow it. --init_checkpoint reads the average either way.
+    use_ema: bool = True
 
     def resolved_eval_every_epochs(self) -> Optional[int]:
         """Epochs between evaluations during training; None evaluates only after the last step."""

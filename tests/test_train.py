@@ -130,7 +130,8 @@ def test_the_weight_average_moves_by_its_ramped_decay_and_copies_the_other_varia
 
 def test_a_run_keeping_a_weight_average_evaluates_infers_and_fine_tunes_from_it(tmp_path, capsys):
     """train.ema_decay: the update moves the average (a second model), training's evaluation runs it, the
-    checkpoint holds it for load_model (eval, infer, export) and --init_checkpoint, and a resumed run must keep it."""
+    checkpoint holds it for load_model (eval, infer, export) and --init_checkpoint, and a resumed run must keep it;
+    eval.use_ema false evaluates and loads the last step's weights instead."""
     def weights(model):
         return [v.numpy() for v in model.trainable_variables]
 
@@ -162,6 +163,15 @@ def test_a_run_keeping_a_weight_average_evaluates_infers_and_fine_tunes_from_it(
     assert all(np.array_equal(a, w) for a, w in zip(weights(loaded.model), weights(trainer.shadow)))
     assert loaded.averaged and "[model] weights: the moving average training kept (train.ema_decay) in " \
         f"{loaded.checkpoint}" in capsys.readouterr().out
+    # The last step's weights instead, in training's evaluations and load_model.
+    trainer.config.eval.use_ema = config.eval.use_ema = False
+    assert trainer._evaluate(evaluator, 2, logger, types.SimpleNamespace(signum=0)) == (False, 0)
+    assert evaluated == [trainer.shadow, trainer.model]
+    raw = load_model(config)
+    assert all(np.array_equal(a, w) for a, w in zip(weights(raw.model), weights(trainer.model)))
+    assert not raw.averaged and "[model] weights: the last step's, not the moving average training kept " \
+        f"(eval.use_ema false) in {raw.checkpoint}" in capsys.readouterr().out
+    config.eval.use_ema = True
 
     _, tune = parse(["train", *SMALL_FLAGS, "--model_dir", str(tmp_path / "tune"),
                      "--init_checkpoint", str(tmp_path / "run")])

@@ -187,16 +187,20 @@ def load_model(config, require_checkpoint=True, export=False, world=SINGLE_PROCE
         step_variable = tf.Variable(0, dtype=tf.int64, trainable=False)
         # Every model variable must be found in the checkpoint, or this would use freshly initialised weights.
         try:
-            # The weights' moving average where training kept one (train.ema_decay), else the last step's weights.
-            key = AVERAGE_KEY if holds_average(checkpoint) else MODEL_KEY
+            # The weights' moving average where training kept one (train.ema_decay) and eval.use_ema asks for it,
+            # else the last step's weights.
+            held = holds_average(checkpoint)
+            key = AVERAGE_KEY if held and config.eval.use_ema else MODEL_KEY
             restored = tf.train.Checkpoint(**{key: model}, step=step_variable).read(checkpoint)
             restored.expect_partial().assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"checkpoint {checkpoint} does not fit the model the flags describe ({reason}).") from None
         step = int(step_variable.numpy())
-        if key == AVERAGE_KEY and world.is_chief:
-            print(f"[model] weights: the moving average training kept (train.ema_decay) in {checkpoint}", flush=True)
+        if held and world.is_chief:
+            weights = ("the moving average training kept (train.ema_decay)" if key == AVERAGE_KEY else
+                       "the last step's, not the moving average training kept (eval.use_ema false)")
+            print(f"[model] weights: {weights} in {checkpoint}", flush=True)
     if not (export or config.runtime.eagerly):
         # Evaluation's trace, made here without running the model (an export traces its own functions), on the
         # weights just read (`predict_function`'s fixed_weights=True). On the canvas every batch has the eval batch's

@@ -373,8 +373,10 @@ class Trainer:
             print(f"[train] {describe_precision(self.policy, runtime.amp, self.loss_scaled)}", flush=True)
             print(f"[train] {self.ops.describe()}", flush=True)
             if self.shadow is not None:
+                users = ("the evaluations, and eval, infer and export of this model directory, use it"
+                         if config.eval.use_ema else "eval.use_ema false: the evaluations use the last step's weights")
                 print(f"[train] keeping a moving average of the weights (train.ema_decay {config.train.ema_decay:g}): "
-                      "the evaluations, and eval, infer and export of this model directory, use it", flush=True)
+                      f"{users}", flush=True)
         start = self._restore_or_initialise(logger)
         # The first batch before anything is written, so that unreadable data stops the run first.
         try:
@@ -470,7 +472,8 @@ class Trainer:
         signal that abandoned the evaluation, else 0)."""
         self.evaluating = step
         try:
-            model = self.model if self.shadow is None else self.shadow  # the weights inference will use
+            # The weights inference will use (load_model's choice).
+            model = self.shadow if self.shadow is not None and self.config.eval.use_ema else self.model
             return evaluator.evaluate(model, step, logger, stopping=lambda: stops.signum), 0
         except EvaluationStopped as stopped:
             return False, stopped.signum
