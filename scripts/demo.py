@@ -79,12 +79,14 @@ def run_stage(argv):
     training then stops after a checkpoint (mrcnn_tf2.runtime.stop_signals), which a rerun resumes from. Left to
     themselves, this script would end at once and the stage, writing to a closed pipe, would fail before its
     checkpoint. A second signal reaches the stage as a second SIGTERM, which stops it at once. Echoing into a
-    console that is gone (console.say) is not an error.
+    console that is gone (console.say) is not an error. A signal this script ignores (SIGHUP under `nohup`,
+    SIGINT in a background job) stays ignored, as in main.py (stop_signals.StopSignals).
     """
     process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1)
+    # None: a handler set outside Python, which could not be given back.
     previous = {signum: signal.signal(signum, lambda *_: process.send_signal(signal.SIGTERM))
-                for signum in stop_signals.SIGNALS}
+                for signum in stop_signals.SIGNALS if signal.getsignal(signum) not in (signal.SIG_IGN, None)}
     lines = []
     try:
         for line in process.stdout:

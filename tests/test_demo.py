@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, terminations_by_default
 
 # Five seeds of the quick run (64 px scenes and training, two runs at a time on one thread each; seeds 0 and 1
 # gave the same APs with oneDNN on and off) gave bbox AP 0.229-0.285 (mean 0.259, s.d. 0.023) and mask AP
@@ -65,8 +65,33 @@ def test_ctrl_c_lets_the_running_stage_stop_as_it_does_on_sigterm_and_echoes_it(
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
-    before = signal.getsignal(signal.SIGINT)
-    threading.Thread(target=ctrl_c, daemon=True).start()
-    status, lines = demo.run_stage(["-c", stage])
-    assert (status, lines) == (128 + signal.SIGTERM, ["stopping\n", "checkpoint written\n"])
-    assert signal.getsignal(signal.SIGINT) is before
+    with terminations_by_default():  # Ctrl-C as in a terminal, whatever the worker inherited
+        threading.Thread(target=ctrl_c, daemon=True).start()
+        status, lines = demo.run_stage(["-c", stage])
+        assert (status, lines) == (128 + signal.SIGTERM, ["stopping\n", "checkpoint written\n"])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_the_demo_ignores_leaves_the_running_stage_alone(tmp_path):
+    """Under `nohup` SIGHUP is ignored: a closed terminal must not stop the stage."""
+    from scripts import demo
+
+    ready = tmp_path / "ready"
+    stage = (f"import pathlib, time\n"
+             f"pathlib.Path({str(ready)!r}).touch()\n"
+             f"time.sleep(1)\n"
+             f"print('finished', flush=True)\n")
+
+    def hang_up():
+        deadline = time.time() + 60
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        threading.Thread(target=hang_up, daemon=True).start()
+        assert demo.run_stage(["-c", stage]) == (0, ["finished\n"])
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
