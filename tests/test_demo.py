@@ -46,6 +46,18 @@ def test_quick_demo_runs_every_stage_and_learns(tmp_path):
     assert scores[-1] < 0.5 * scores[0], scores
 
 
+def signal_once_ready(ready, signum):
+    """Sends this process `signum` from another thread once the file `ready` exists (a stage made it), or after
+    60 s."""
+    def send():
+        deadline = time.time() + 60
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
 def test_ctrl_c_lets_the_running_stage_stop_as_it_does_on_sigterm_and_echoes_it(tmp_path):
     from scripts import demo
 
@@ -58,15 +70,8 @@ def test_ctrl_c_lets_the_running_stage_stop_as_it_does_on_sigterm_and_echoes_it(
              f"signal.signal(signal.SIGTERM, stop)\n"
              f"pathlib.Path({str(ready)!r}).touch()\n"
              f"time.sleep(120)\n")
-
-    def ctrl_c():
-        deadline = time.time() + 60
-        while not ready.exists() and time.time() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
     with terminations_by_default():  # Ctrl-C as in a terminal, whatever the worker inherited
-        threading.Thread(target=ctrl_c, daemon=True).start()
+        signal_once_ready(ready, signal.SIGINT)
         status, lines = demo.run_stage(["-c", stage])
         assert (status, lines) == (128 + signal.SIGTERM, ["stopping\n", "checkpoint written\n"])
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -77,20 +82,11 @@ def test_a_signal_the_demo_ignores_leaves_the_running_stage_alone(tmp_path):
     from scripts import demo
 
     ready = tmp_path / "ready"
-    stage = (f"import pathlib, time\n"
-             f"pathlib.Path({str(ready)!r}).touch()\n"
-             f"time.sleep(1)\n"
-             f"print('finished', flush=True)\n")
-
-    def hang_up():
-        deadline = time.time() + 60
-        while not ready.exists() and time.time() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGHUP)
-
+    stage = (f"import pathlib, time\npathlib.Path({str(ready)!r}).touch()\n"
+             f"time.sleep(1)\nprint('finished', flush=True)\n")
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        threading.Thread(target=hang_up, daemon=True).start()
+        signal_once_ready(ready, signal.SIGHUP)
         assert demo.run_stage(["-c", stage]) == (0, ["finished\n"])
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
