@@ -1,6 +1,6 @@
 """An exponential moving average of the model's weights during training (train.ema_decay), as TF Model Garden's
 and detectron2's EMA: evaluation, inference, export and fine-tuning use the average instead of the last step's
-weights, which a long schedule's final steps leave noisy.
+weights, which a long schedule's final steps leave noisy (eval.use_ema false reads those for all but fine-tuning).
 
 The average lives in a second model of the same build (the `shadow`), never run in training, so that a training
 checkpoint holds it under AVERAGE_KEY with the model's own object structure: a loader reads it into a model as it
