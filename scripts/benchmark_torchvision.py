@@ -306,6 +306,16 @@ def torchvision_environment():
     return dict(os.environ, **ALLOCATORS["jemalloc"])
 
 
+def torchvision_allocator(env):
+    """(the allocator's name for the JSON lines, the line printed under the results or None) of the torchvision
+    side's environment `env` (torchvision_environment's). The default malloc slows torchvision, so that every
+    ratio printed above that line overstates ours: a run without jemalloc says so where its figures are."""
+    if env is not None:
+        return "jemalloc", None
+    return "malloc", ("torchvision ran with the default malloc, not jemalloc (apt-get install libjemalloc2), which "
+                      "slows it: the ratios above overstate ours")
+
+
 def cpu_model(cpuinfo="/proc/cpuinfo"):
     """The CPU's model name as /proc/cpuinfo gives it ('unknown CPU' when it does not)."""
     try:
@@ -433,8 +443,9 @@ def print_trainable(setting, ours, theirs):
           + "  (tensors / parameters)", flush=True)
 
 
-def print_train_table(rows):
-    """The results of --mode train: a table, then its rows as JSON lines."""
+def print_train_table(rows, caveat=None):
+    """The results of --mode train: a table, then `caveat` (torchvision_allocator's line) if any, then its rows as
+    JSON lines."""
     def rates(values):
         return " ".join(f"{value:.3f}" for value in values)
 
@@ -455,6 +466,8 @@ def print_train_table(rows):
               f"{row['package_mean'] * row['gflop_per_image']:5.0f} GFLOP/s = {row['package_share_of_peak']:4.0%} "
               f"of {row['matmul_peak_gflops']:.0f}, torchvision {row['torchvision_mean'] * row['gflop_per_image']:5.0f}"
               f" GFLOP/s = {row['torchvision_share_of_peak']:4.0%}")
+    if caveat:
+        print(caveat)
     for row in rows:
         print(json.dumps(row))
 
@@ -533,8 +546,8 @@ def train_main(args):
                 gflop_per_image=work / 1e9, matmul_peak_gflops=peaks[precision] / 1e9,
                 package_share_of_peak=package_mean * work / peaks[precision],
                 torchvision_share_of_peak=torchvision_mean * work / peaks["fp32"],
-                steps=args.steps, warmup=args.warmup))
-    print_train_table(rows)
+                steps=args.steps, warmup=args.warmup, torchvision_allocator=torchvision_allocator(env)[0]))
+    print_train_table(rows, torchvision_allocator(env)[1])
 
 
 def parse_args(argv=None):
@@ -626,7 +639,10 @@ def main(argv=None):
             summary[name]["over_torchvision"] = summary[name]["mean"] / summary["torchvision"]["mean"]
     shapes = {"photo_sizes": MIXED_SHAPES, "batch_size": "preset"} if args.mixed else {
         "photo_size": [480, 640], "batch_size": 1}
-    print(json.dumps({"model": builder, **shapes, **summary}))
+    allocator, caveat = torchvision_allocator(jemalloc)
+    if caveat:
+        print(caveat)
+    print(json.dumps({"model": builder, **shapes, **summary, "torchvision_allocator": allocator}))
 
 
 if __name__ == "__main__":

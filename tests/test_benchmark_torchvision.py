@@ -60,3 +60,20 @@ def test_ours_infers_at_batch_one_in_each_precision(precision, amp):
     assert (config.eval.eval_batch_size, config.runtime.benchmark) == (1, True)
     assert config.data.validation_file_pattern == "records/*.tfrecord"
     assert bench.parse_args(["--precisions", "fp32", "bf16"]).precisions == ["fp32", "bf16"]
+
+
+def test_a_run_without_jemalloc_says_under_its_results_that_the_ratios_overstate_ours(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(bench.ALLOCATORS, "jemalloc",
+                        {**bench.ALLOCATORS["jemalloc"], "LD_PRELOAD": str(tmp_path / "libjemalloc.so.2")})
+    env = bench.torchvision_environment()
+    assert env is None and "jemalloc not found" in capsys.readouterr().out
+    assert bench.torchvision_allocator({"LD_PRELOAD": "libjemalloc.so.2"}) == ("jemalloc", None)
+    name, caveat = bench.torchvision_allocator(env)
+    assert name == "malloc" and "the ratios above overstate ours" in caveat
+    row = dict(setting="scratch", precision="fp32", package_img_per_s=[0.3, 0.3], package_mean=0.3,
+               torchvision_img_per_s=[0.1, 0.1], torchvision_mean=0.1, ratio=3.0, package_peak_rss_gib=4.0,
+               torchvision_peak_rss_gib=5.0, gflop_per_image=1000.0, package_share_of_peak=1.3,
+               matmul_peak_gflops=223.0, torchvision_share_of_peak=0.5, torchvision_allocator=name)
+    bench.print_train_table([row], caveat)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines.index(caveat) == len(lines) - 2 and '"torchvision_allocator": "malloc"' in lines[-1]
