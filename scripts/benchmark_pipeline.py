@@ -32,13 +32,14 @@ def run_dataset_tool(script, *args):
 
 
 def generated_records(directory, num_images):
-    """Writes num_images shapes images of COCO's typical size as 8 TFRecord shards; returns their pattern."""
+    """Writes num_images shapes images of COCO's typical size as 8 TFRecord shards (fewer for fewer images: the
+    converter refuses empty shards); returns their pattern."""
     run_dataset_tool("make_shapes_dataset.py", "--output_dir", directory, "--num_train", str(num_images),
                      "--num_val", "0", "--seed", "0", "--image_size", "480", "640")
     output = os.path.join(directory, "tfrecords")
     run_dataset_tool("create_coco_tf_record.py", "--image_dir", os.path.join(directory, "train"),
                      "--annotations_file", os.path.join(directory, "annotations", "instances_train.json"),
-                     "--output_dir", output, "--tag", "train", "--num_shards", "8")
+                     "--output_dir", output, "--tag", "train", "--num_shards", str(min(8, num_images)))
     return os.path.join(output, "train-*.tfrecord")
 
 

@@ -1,6 +1,9 @@
 """scripts/benchmark_torchvision.py: what each side is asked to run in inference and training, and when bfloat16 is
 measured (no benchmark runs here)."""
 
+import glob
+import os
+
 import pytest
 
 from mrcnn_tf2.arguments import parse
@@ -77,3 +80,11 @@ def test_a_run_without_jemalloc_says_under_its_results_that_the_ratios_overstate
     bench.print_train_table([row], caveat)
     lines = capsys.readouterr().out.splitlines()
     assert lines.index(caveat) == len(lines) - 2 and '"torchvision_allocator": "malloc"' in lines[-1]
+
+
+def test_fewer_photos_than_shards_make_a_shard_each(tmp_path):
+    from scripts.benchmark_pipeline import generated_records
+
+    pattern = generated_records(str(tmp_path), 2)
+    assert sorted(os.path.basename(path) for path in glob.glob(pattern)) == [
+        "train-00000-of-00002.tfrecord", "train-00001-of-00002.tfrecord"]
