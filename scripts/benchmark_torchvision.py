@@ -524,7 +524,7 @@ def train_main(args):
                     results[setting, side].append(result)
                     print(f"round {round_index + 1} {setting} {'torchvision fp32' if side == 'torchvision' else side}"
                           f": {result['img_per_s']:.3f} img/s, peak {result['peak_rss_gib']:.2f} GiB", flush=True)
-    rows = []
+    rows, (allocator, caveat) = [], torchvision_allocator(env)
     for setting in settings:
         theirs = results[setting, "torchvision"]
         for precision in precisions:
@@ -546,8 +546,8 @@ def train_main(args):
                 gflop_per_image=work / 1e9, matmul_peak_gflops=peaks[precision] / 1e9,
                 package_share_of_peak=package_mean * work / peaks[precision],
                 torchvision_share_of_peak=torchvision_mean * work / peaks["fp32"],
-                steps=args.steps, warmup=args.warmup, torchvision_allocator=torchvision_allocator(env)[0]))
-    print_train_table(rows, torchvision_allocator(env)[1])
+                steps=args.steps, warmup=args.warmup, torchvision_allocator=allocator))
+    print_train_table(rows, caveat)
 
 
 def parse_args(argv=None):
