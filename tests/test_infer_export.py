@@ -208,6 +208,9 @@ def test_drawing_changes_the_image_where_objects_are_and_only_above_the_threshol
     (100, 150, (512, 768)),  # the shorter side reaches the minimum, the aspect ratio is kept
     (700, 300, (1195, 512)),
     (600, 900, (600, 900)),  # large enough: the original size
+    (100, 1600, (256, 4096)),  # upscaled until the longer side reaches MAX_UPSCALED_SIDE
+    (1, 3000, (1, 4096)),  # a strip: at 512x, 512 x 1.5 million pixels
+    (5000, 2, (5000, 2)),  # already longer than MAX_UPSCALED_SIDE: the original size
 ])
 def test_pictures_are_drawn_at_the_original_size_or_upscaled_to_the_minimum_side(height, width, drawn):
     image = np.full((height, width, 3), 90, np.uint8)

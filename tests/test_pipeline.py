@@ -387,6 +387,9 @@ def test_resize_normalize_pad_keeps_aspect_and_normalises():
                                                                         / np.array([58.395, 57.12, 57.375]),
                                                                         (128, 64, 3)), rtol=1e-5)
     assert not padded[:, 64:].numpy().any()
+    # A strip whose short side would round to no pixel keeps one.
+    _, info, _ = resize_normalize_pad(tf.zeros([1, 3000, 3], tf.uint8), IMAGE_SIZE)
+    np.testing.assert_allclose(info.numpy(), [1, 192, 3000 / 192, 1, 3000], rtol=1e-6)
 
 
 def test_decoded_gray_alpha_and_16_bit_pngs_hold_the_pixels_that_pil_images_made_rgb_hold(rng):

@@ -3,6 +3,7 @@ its resize rule (GeneralizedRCNNTransform.resize), PIL's JPEG decoding (its refe
 with PIL) and its mask pasting (roi_heads.paste_masks_in_image).
 """
 import io
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -58,14 +59,12 @@ def test_resized_sizes_equal_torchvisions(rng):
 
     quirks = 0
     for (h, w), expected in zip(sizes, want):
-        image = tf.zeros((h, w, 1), tf.uint8)
-        if expected is None:
-            with pytest.raises(tf.errors.InvalidArgumentError, match="an empty one"):
-                resized_info(image)
-            continue
-        info, scale = (t.numpy() for t in resized_info(image))
-        assert tuple(info[:2]) == expected, (h, w)
+        info, scale = (t.numpy() for t in resized_info(tf.zeros((h, w, 1), tf.uint8)))
         torchvision_scale = min(800 / min(h, w), 1333 / max(h, w))  # GeneralizedRCNNTransform's, in float64
+        if expected is None:  # torchvision fails on a side that floors to 0: ours keeps one pixel
+            expected = tuple(max(1, math.floor(side * torchvision_scale)) for side in (h, w))
+            assert min(expected) == 1, (h, w)
+        assert tuple(info[:2]) == expected, (h, w)
         assert scale == np.float32(torchvision_scale)
         np.testing.assert_array_equal(info[2:], np.float32([1 / torchvision_scale, h, w]))
         quirks += min(expected) == 799  # e.g. 97 x 130: 97 * (800 / 97) < 800 in float64
@@ -98,8 +97,6 @@ def test_resize_rule_errors_name_the_sizes():
     graph_resize = tf.function(lambda image: resize(image, (800, 1333), 800, 1333)[0])
     with pytest.raises(tf.errors.InvalidArgumentError, match="does not fit image_size"):
         graph_resize(portrait)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"resizes the \[1 200000\] image to \[0 1333\]"):
-        resize(tf.zeros((1, 200000, 3), tf.uint8), CANVAS, 800, 1333)
     for kwargs in (dict(min_size=0), dict(min_size=800.0), dict(min_size=800, max_size=None)):
         with pytest.raises(ValueError, match="must be a positive int"):
             resize(portrait, CANVAS, **kwargs)

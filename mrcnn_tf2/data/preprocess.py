@@ -72,13 +72,13 @@ def resize(image, image_size, min_size=None, max_size=1333):
     """Aspect-preserving bilinear resize (half-pixel centres, no antialiasing) by one of two rules.
 
     min_size None: the largest size that fits image_size, scale = min(H / h, W / w), sides rounded to the
-    nearest pixel (capped at H, W); tf.image.resize.
+    nearest pixel (at least 1, capped at H, W); tf.image.resize.
 
     min_size an int: torchvision's Mask R-CNN rule (GeneralizedRCNNTransform at evaluation): scale =
     min(min_size / shorter side, max_size / longer side) in float64, sides floor(side * scale) in float64
-    (F.interpolate with scale_factor and recompute_scale_factor=True), so that h' x w' equals torchvision's
-    for every size, quirks included (a shorter side of 97 comes out as 799 under min_size 800, since
-    97 * (800 / 97) < 800 in float64). So h' / h and w' / w can each differ slightly from scale; torchvision
+    (F.interpolate with scale_factor and recompute_scale_factor=True; at least 1, where torchvision's would
+    be 0 and it fails), so that h' x w' equals torchvision's for every size it takes, quirks included (a
+    shorter side of 97 comes out as 799 under min_size 800, since 97 * (800 / 97) < 800 in float64). So h' / h and w' / w can each differ slightly from scale; torchvision
     maps boxes between the two images per axis, by h' / h and w' / w in float32 (and back by h / h',
     w / w'), not by scale. The pixels are F.interpolate(align_corners=False)'s to float32 rounding (within
     1e-4 on the 0..255 scale). The resized image must fit image_size: otherwise an InvalidArgumentError
@@ -100,25 +100,22 @@ def resize(image, image_size, min_size=None, max_size=1333):
     if min_size is None:
         target = tf.constant(image_size, tf.float32)
         scale = rule_scale(tf.shape(image)[:2], image_size)
-        # Rounding could exceed the target by a pixel on the side that does not bind the scale.
-        scaled = tf.minimum(tf.round(original * scale), target)
+        # Rounding could exceed the target by a pixel on the side that does not bind the scale, and leave no
+        # pixel on the short side of a strip (1 x 3000 on a 128 x 128 canvas).
+        scaled = tf.clip_by_value(tf.round(original * scale), 1.0, target)
         resized = tf.image.resize(image, tf.cast(scaled, tf.int32), method="bilinear")
         image_info = tf.concat([scaled, [1.0 / scale], original], axis=0)
         return resized, image_info, scale
 
     sides = tf.cast(tf.shape(image)[:2], tf.float64)
     scale64 = rule_scale(tf.shape(image)[:2], image_size, min_size, max_size)
-    scaled = tf.cast(tf.floor(sides * scale64), tf.int32)
+    # At least one pixel per side: torchvision fails on a strip whose short side floors to 0 (1 x 2000).
+    scaled = tf.maximum(tf.cast(tf.floor(sides * scale64), tf.int32), 1)
     target = tf.constant(image_size, tf.int32)
-    sizes = [tf.shape(image)[:2], scaled]
     rule = f"torchvision's resize rule (min_size {min_size}, max_size {max_size})"
-    checks = [
-        tf.debugging.Assert(tf.reduce_all(scaled >= 1), [tf.strings.format(
-            rule + " resizes the {} image to {}, an empty one", sizes)]),
-        tf.debugging.Assert(tf.reduce_all(scaled <= target), [tf.strings.format(
-            rule + " resizes the {} image to {}, which does not fit image_size {}", sizes + [target])]),
-    ]
-    with tf.control_dependencies(checks):
+    check = tf.debugging.Assert(tf.reduce_all(scaled <= target), [tf.strings.format(
+        rule + " resizes the {} image to {}, which does not fit image_size {}", [tf.shape(image)[:2], scaled, target])])
+    with tf.control_dependencies([check]):
         scaled = tf.identity(scaled)
 
     def taps(in_size, out_size):

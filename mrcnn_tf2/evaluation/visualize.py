@@ -2,9 +2,9 @@
 
 A picture is drawn at the original image's size, where the detections are (they are mapped to original-image
 pixels for the COCO results too), and a small image is first scaled up so that its shorter side is
-MIN_DRAWN_SIDE: the labels' text then stays legible. Box outlines and the font grow with the drawn size, so
-that a picture looks the same at any size. Masks are pasted at the drawn size, from the mask probabilities,
-with the threshold of the COCO results.
+MIN_DRAWN_SIDE (its longer side at most MAX_UPSCALED_SIDE): the labels' text then stays legible. Box outlines
+and the font grow with the drawn size, so that a picture looks the same at any size. Masks are pasted at the
+drawn size, from the mask probabilities, with the threshold of the COCO results.
 
 Labels are drawn in Pillow's built-in font, whose glyphs are ASCII only, or in a TrueType / OpenType font file
 (`main.py infer --visualize_font`); a character the font lacks draws as a box (`missing_glyphs` finds them).
@@ -27,6 +27,9 @@ from mrcnn_tf2.ops.masks import paste_masks
 # in a readable font covers a quarter of the image, and a small font is illegible once the picture is
 # enlarged on a screen. Upscaled to 512 px, a 16 px label is ~3 % of the side, like a caption on a photo.
 MIN_DRAWN_SIDE = 512
+# Largest longer side that upscaling makes: a strip (1 x 3000 pixels) would otherwise become a picture of 512 x
+# 1.5 million pixels, more memory than the run and more pixels than Pillow opens.
+MAX_UPSCALED_SIDE = 4096
 # Box outline width and label font size, in pixels, of a picture whose shorter side is MIN_DRAWN_SIDE; a
 # larger picture scales both with its shorter side.
 BOX_WIDTH = 2
@@ -59,8 +62,9 @@ def missing_glyphs(text, font):
 
 def drawn_size(height, width):
     """(H', W') of the picture of an h x w image: (h, w), or scaled up keeping the aspect ratio so that the
-    shorter side is MIN_DRAWN_SIDE when it is shorter."""
-    scale = max(1.0, MIN_DRAWN_SIDE / min(height, width))
+    shorter side is MIN_DRAWN_SIDE when it is shorter, as far as the longer side stays within
+    MAX_UPSCALED_SIDE."""
+    scale = max(1.0, min(MIN_DRAWN_SIDE / min(height, width), MAX_UPSCALED_SIDE / max(height, width)))
     return int(round(height * scale)), int(round(width * scale))
 
 
