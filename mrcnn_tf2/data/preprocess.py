@@ -79,8 +79,8 @@ def resize(image, image_size, min_size=None, max_size=1333):
     scale_factor and recompute_scale_factor=True; at least 1, where torchvision's would be 0 and it fails), so that
     h' x w' equals torchvision's for every size it takes, quirks included (a shorter side of 97 comes out as 799
     under min_size 800, since 97 * (800 / 97) < 800 in float64). So h' / h and w' / w can each differ slightly from
-    scale; torchvision maps boxes between the two images per axis, by h' / h and w' / w in float32 (and back by h /
-    h', w / w'), not by scale. The pixels are F.interpolate(align_corners=False)'s to float32 rounding (within 1e-4
+    scale; torchvision maps boxes between the two images per axis, by h' / h and w' / w in float32 (and back by
+    h / h', w / w'), not by scale. The pixels are F.interpolate(align_corners=False)'s to float32 rounding (within 1e-4
     on the 0..255 scale). The resized image must fit image_size: otherwise an InvalidArgumentError names both sizes
     (a portrait 640x480 image becomes 1066x800 under min_size 800, which an 800x1333 image_size cannot hold;
     1344x1344 holds either orientation).
